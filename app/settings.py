@@ -1,0 +1,358 @@
+"""Application settings: a frozen snapshot, its TOML store, the model catalog and the dialog.
+
+A generation copies the `AppSettings` it starts with, so edits made while it runs apply to the next
+message only.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import platformdirs
+import tomli_w
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
+    QDoubleSpinBox,
+    QFileDialog,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPlainTextEdit,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from engine.decode import GenerationConfig
+from engine.sampling import SamplingParams
+from engine.session import ModelSettings
+
+METHODS: tuple[str, ...] = ("ar", "draft", "lookup")
+METHOD_LABELS = {
+    "ar": "Plain autoregressive (no drafting)",
+    "draft": "Draft model",
+    "lookup": "Prompt lookup",
+}
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda", "mps")
+DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
+MAX_K = 16
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    target: str = "default"
+    method: str = "lookup"
+    draft: str = ""  # model source for method "draft"; empty = none
+    k: int = 4
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = -1  # -1 = a fresh seed per message (TOML has no null)
+    max_new_tokens: int = 256
+    device: str = "auto"
+    dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if not 1 <= self.k <= MAX_K:
+            raise ValueError(f"K must be in 1..{MAX_K}, got {self.k}")
+        if self.max_new_tokens < 1:
+            raise ValueError("max new tokens must be >= 1")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        SamplingParams(self.temperature, self.top_k, self.top_p)  # validates the sampling fields
+
+    def model_settings(self) -> ModelSettings:
+        draft = self.draft.strip() or None
+        return ModelSettings(
+            target=self.target.strip() or "default",
+            draft=draft if self.method == "draft" else None,
+            device=self.device,
+            dtype=self.dtype,
+        )
+
+    def generation_config(self, method: str | None = None) -> GenerationConfig:
+        return GenerationConfig(
+            method=method or self.method,
+            k=self.k,
+            sampling=SamplingParams(self.temperature, self.top_k, self.top_p),
+            max_new_tokens=self.max_new_tokens,
+            seed=None if self.seed < 0 else self.seed,
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict) -> AppSettings:
+        """Build from a (possibly old or hand-edited) mapping: unknown keys are ignored and a bad
+        value falls back to the default for the whole file, rather than refusing to start."""
+        known = {f.name: f.type for f in fields(cls)}
+        kept = {key: value for key, value in data.items() if key in known}
+        try:
+            return cls(**kept)
+        except (TypeError, ValueError):
+            return cls()
+
+
+def needs_reload(loaded: ModelSettings | None, wanted: ModelSettings) -> bool:
+    """True when `wanted` cannot run on the engine loaded with `loaded`.
+
+    A loaded draft model is kept for ar/lookup messages so switching methods back and forth does
+    not reload anything."""
+    if loaded is None:
+        return True
+    same_target = (loaded.target, loaded.device, loaded.dtype) == (
+        wanted.target,
+        wanted.device,
+        wanted.dtype,
+    )
+    if not same_target:
+        return True
+    return wanted.draft is not None and wanted.draft != loaded.draft
+
+
+def config_dir() -> Path:
+    override = os.environ.get("SPECLENS_CONFIG_DIR")
+    return Path(override) if override else Path(platformdirs.user_config_dir("speclens"))
+
+
+class SettingsStore:
+    """AppSettings as TOML in the user config folder; writes are atomic (temp file + rename)."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or config_dir() / "settings.toml"
+
+    def load(self) -> AppSettings:
+        try:
+            with self.path.open("rb") as f:
+                return AppSettings.from_dict(tomllib.load(f))
+        except (OSError, tomllib.TOMLDecodeError):
+            return AppSettings()
+
+    def save(self, settings: AppSettings) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".toml.tmp")
+        tmp.write_text(tomli_w.dumps(asdict(settings)), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    label: str
+    target: str
+    draft: str = ""
+
+
+CATALOG: tuple[CatalogEntry, ...] = (
+    CatalogEntry("Embedded default: SmolLM2-135M-Instruct (GGUF, offline)", "default"),
+    CatalogEntry(
+        "SmolLM2-1.7B-Instruct + SmolLM2-135M-Instruct",
+        "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+    ),
+    CatalogEntry(
+        "SmolLM2-360M-Instruct + SmolLM2-135M-Instruct",
+        "HuggingFaceTB/SmolLM2-360M-Instruct",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+    ),
+    CatalogEntry(
+        "Qwen2.5-7B-Instruct + Qwen2.5-0.5B-Instruct",
+        "Qwen/Qwen2.5-7B-Instruct",
+        "Qwen/Qwen2.5-0.5B-Instruct",
+    ),
+    CatalogEntry(
+        "Qwen2.5-1.5B-Instruct + Qwen2.5-0.5B-Instruct",
+        "Qwen/Qwen2.5-1.5B-Instruct",
+        "Qwen/Qwen2.5-0.5B-Instruct",
+    ),
+    CatalogEntry(
+        "Llama-3.1-8B-Instruct + Llama-3.2-1B-Instruct",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "meta-llama/Llama-3.2-1B-Instruct",
+    ),
+)
+CUSTOM_LABEL = "Custom (hub id, local folder or GGUF file)"
+
+
+class _SourceEdit(QWidget):
+    """A model source: hub id typed in, or a local folder / GGUF file picked."""
+
+    def __init__(self, placeholder: str, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.edit = QLineEdit()
+        self.edit.setPlaceholderText(placeholder)
+        folder = QPushButton("Folder…")
+        gguf = QPushButton("GGUF…")
+        folder.clicked.connect(self._pick_folder)
+        gguf.clicked.connect(self._pick_gguf)
+        row = QHBoxLayout(self)
+        row.setContentsMargins(0, 0, 0, 0)
+        row.addWidget(self.edit, 1)
+        row.addWidget(folder)
+        row.addWidget(gguf)
+
+    def _pick_folder(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Model folder")
+        if path:
+            self.edit.setText(path)
+
+    def _pick_gguf(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "GGUF model", "", "GGUF models (*.gguf)")
+        if path:
+            self.edit.setText(path)
+
+
+class SettingsDialog(QDialog):
+    """Edits an AppSettings. `check_requested` asks the owner to load the pair and answer with
+    `show_report`, so the compatibility report is seen before the pair is used."""
+
+    check_requested = Signal(object)  # AppSettings
+
+    def __init__(self, settings: AppSettings, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("SpecLens settings")
+        self.setMinimumWidth(620)
+
+        self.pair = QComboBox()
+        for entry in CATALOG:
+            self.pair.addItem(entry.label, entry)
+        self.pair.addItem(CUSTOM_LABEL, None)
+        self.target = _SourceEdit("default, a hub id, a folder or a .gguf file")
+        self.method = QComboBox()
+        for method in METHODS:
+            self.method.addItem(METHOD_LABELS[method], method)
+        self.draft = _SourceEdit("draft model: hub id, folder or .gguf (method 'Draft model')")
+        self.k = QSpinBox(minimum=1, maximum=MAX_K)
+        self.temperature = QDoubleSpinBox(minimum=0.0, maximum=2.0, singleStep=0.1, decimals=2)
+        self.temperature.setSpecialValueText("0 (greedy)")
+        self.top_k = QSpinBox(minimum=0, maximum=1000)
+        self.top_k.setSpecialValueText("off")
+        self.top_p = QDoubleSpinBox(minimum=0.01, maximum=1.0, singleStep=0.05, decimals=2)
+        self.seed = QSpinBox(minimum=-1, maximum=2**31 - 1)
+        self.seed.setSpecialValueText("random")
+        self.max_new_tokens = QSpinBox(minimum=1, maximum=8192, singleStep=64)
+        self.device = QComboBox()
+        self.device.addItems(DEVICES)
+        self.dtype = QComboBox()
+        self.dtype.addItems(DTYPES)
+
+        models = QGroupBox("Models")
+        model_form = QFormLayout(models)
+        model_form.addRow("Known pair", self.pair)
+        model_form.addRow("Target", self.target)
+        model_form.addRow("Drafter", self.method)
+        model_form.addRow("Draft model", self.draft)
+        model_form.addRow("Device", self.device)
+        model_form.addRow("Precision", self.dtype)
+
+        decoding = QGroupBox("Decoding (applies from the next message)")
+        decoding_form = QFormLayout(decoding)
+        decoding_form.addRow("Draft length K", self.k)
+        decoding_form.addRow("Temperature", self.temperature)
+        decoding_form.addRow("Top-k", self.top_k)
+        decoding_form.addRow("Top-p", self.top_p)
+        decoding_form.addRow("Seed", self.seed)
+        decoding_form.addRow("Max new tokens", self.max_new_tokens)
+
+        self.report = QPlainTextEdit(readOnly=True)
+        self.report.setPlaceholderText("Press “Check pair” to load the models and see whether they fit.")
+        self.report.setMaximumHeight(120)
+        self.check = QPushButton("Check pair")
+        self.check.clicked.connect(lambda: self.check_requested.emit(self.settings()))
+        self.error = QLabel()
+        self.error.setStyleSheet("color: #b00020;")
+        self.error.setWordWrap(True)
+        compat = QGroupBox("Compatibility")
+        compat_layout = QVBoxLayout(compat)
+        compat_layout.addWidget(self.report)
+        compat_layout.addWidget(self.check, 0, Qt.AlignmentFlag.AlignRight)
+
+        buttons = QDialogButtonBox(
+            QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
+        )
+        buttons.accepted.connect(self._accept_if_valid)
+        buttons.rejected.connect(self.reject)
+
+        layout = QVBoxLayout(self)
+        layout.addWidget(models)
+        layout.addWidget(decoding)
+        layout.addWidget(compat)
+        layout.addWidget(self.error)
+        layout.addWidget(buttons)
+
+        self.set_settings(settings)
+        self.pair.activated.connect(self._apply_pair)
+        self.method.currentIndexChanged.connect(self._sync_enabled)
+
+    def set_settings(self, s: AppSettings) -> None:
+        self.target.edit.setText(s.target)
+        self.draft.edit.setText(s.draft)
+        self.method.setCurrentIndex(METHODS.index(s.method))
+        self.k.setValue(s.k)
+        self.temperature.setValue(s.temperature)
+        self.top_k.setValue(s.top_k)
+        self.top_p.setValue(s.top_p)
+        self.seed.setValue(s.seed)
+        self.max_new_tokens.setValue(s.max_new_tokens)
+        self.device.setCurrentText(s.device)
+        self.dtype.setCurrentText(s.dtype)
+        match = [i for i, e in enumerate(CATALOG) if (e.target, e.draft) == (s.target, s.draft)]
+        match = match or [i for i, e in enumerate(CATALOG) if e.target == s.target]
+        self.pair.setCurrentIndex(match[0] if match else len(CATALOG))
+        self._sync_enabled()
+
+    def settings(self) -> AppSettings:
+        """The edited settings; raises ValueError when they do not validate."""
+        return AppSettings(
+            target=self.target.edit.text().strip() or "default",
+            method=self.method.currentData(),
+            draft=self.draft.edit.text().strip(),
+            k=self.k.value(),
+            temperature=self.temperature.value(),
+            top_k=self.top_k.value(),
+            top_p=self.top_p.value(),
+            seed=self.seed.value(),
+            max_new_tokens=self.max_new_tokens.value(),
+            device=self.device.currentText(),
+            dtype=self.dtype.currentText(),
+        )
+
+    def show_report(self, ok: bool, lines: tuple[str, ...] | list[str]) -> None:
+        verdict = "✓ The pair is compatible." if ok else "✗ The pair is not usable as it is."
+        self.report.setPlainText("\n".join([verdict, *lines]))
+
+    def _apply_pair(self, index: int) -> None:
+        entry = self.pair.itemData(index)
+        if entry is None:
+            return
+        self.target.edit.setText(entry.target)
+        self.draft.edit.setText(entry.draft)
+        if entry.draft:
+            self.method.setCurrentIndex(METHODS.index("draft"))
+        self.report.clear()
+
+    def _sync_enabled(self) -> None:
+        self.draft.setEnabled(self.method.currentData() == "draft")
+
+    def _accept_if_valid(self) -> None:
+        try:
+            self.settings()
+        except ValueError as exc:
+            self.error.setText(str(exc))
+            return
+        self.accept()
+
+
+def with_overrides(settings: AppSettings, **changes: object) -> AppSettings:
+    """A copy with the given fields replaced, skipping the ones left as None (command-line flags)."""
+    return replace(settings, **{k: v for k, v in changes.items() if v is not None})

@@ -1,0 +1,174 @@
+"""The long-lived model thread: it owns the Engine, loads models and runs generations.
+
+The GUI talks to it only through queued signals (`request_load`, `request_generate`) and a
+per-request `threading.Event` for cancellation, which the engine checks between verification steps;
+the worker's own event loop is busy while a generation runs, so a queued "stop" slot would arrive
+too late. Everything it reports goes out as signals, delivered on the GUI thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from PySide6.QtCore import QObject, QThread, Signal, Slot
+
+from engine.decode import GenerationConfig
+from engine.events import StepEvent, Summary, TokenEvent
+from engine.session import Engine, EngineError, ModelSettings
+
+from app.settings import needs_reload
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, "float | None"], None]
+EngineFactory = Callable[[ModelSettings, Progress], Engine]
+
+_request_ids = itertools.count(1)
+
+
+def load_engine(settings: ModelSettings, progress: Progress) -> Engine:
+    return Engine.load(settings, progress=progress)
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    """What the GUI needs to know about a loaded engine."""
+
+    settings: ModelSettings
+    description: str
+    methods: tuple[str, ...]
+    compat_ok: bool | None  # None: single model, nothing to check
+    compat_lines: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation: the full message list, a frozen config and its own cancel flag."""
+
+    model: ModelSettings
+    messages: tuple[tuple[str, str], ...]  # (role, content)
+    config: GenerationConfig
+    tag: str = "chat"
+    id: int = field(default_factory=lambda: next(_request_ids))
+    cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [{"role": role, "content": content} for role, content in self.messages]
+
+
+class EngineWorker(QObject):
+    """Lives on its own QThread (see `WorkerThread`); slots run there, one at a time."""
+
+    progress = Signal(str, object)  # message, fraction in [0, 1] or None
+    loaded = Signal(object)  # LoadInfo
+    load_failed = Signal(str)
+    started = Signal(int)  # request id: generation (after any load) begins
+    tokens = Signal(int, object)  # request id, tuple[TokenEvent, ...] of one verification step
+    step = Signal(int, object)  # request id, StepEvent
+    summary = Signal(int, object)  # request id, Summary
+    error = Signal(int, str)  # request id, message
+    finished = Signal(int)  # request id; always the last signal of a request
+
+    request_load = Signal(object)  # ModelSettings, queued to `load`
+    request_generate = Signal(object)  # GenerateRequest, queued to `generate`
+
+    def __init__(self, factory: EngineFactory | None = None) -> None:
+        super().__init__()
+        self._factory = factory or load_engine
+        self._engine: Engine | None = None
+        self._engine_settings: ModelSettings | None = None
+        self.request_load.connect(self.load)
+        self.request_generate.connect(self.generate)
+
+    @Slot(object)
+    def load(self, settings: ModelSettings) -> None:
+        self._load(settings)
+
+    @Slot(object)
+    def generate(self, request: GenerateRequest) -> None:
+        try:
+            if request.cancel.is_set():
+                return
+            engine = self._engine
+            if needs_reload(self._engine_settings, request.model):
+                engine = self._load(request.model)
+                if engine is None:
+                    self.error.emit(request.id, "The model could not be loaded (see the message above).")
+                    return
+            if request.config.method not in engine.methods:
+                self.error.emit(
+                    request.id,
+                    f"Method '{request.config.method}' is not available with the loaded models "
+                    f"(available: {', '.join(engine.methods)}).",
+                )
+                return
+            self.started.emit(request.id)
+            self._run(engine, request)
+        except EngineError as exc:
+            self.error.emit(request.id, str(exc))
+        except Exception as exc:  # a bug must not kill the thread the app depends on
+            log.exception("generation failed")
+            self.error.emit(request.id, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.finished.emit(request.id)
+
+    def _run(self, engine: Engine, request: GenerateRequest) -> None:
+        batch: list[TokenEvent] = []
+        for event in engine.chat(request.message_dicts(), request.config, request.cancel):
+            if isinstance(event, TokenEvent):
+                batch.append(event)
+                continue
+            if batch:
+                self.tokens.emit(request.id, tuple(batch))
+                batch = []
+            if isinstance(event, StepEvent):
+                self.step.emit(request.id, event)
+            elif isinstance(event, Summary):
+                self.summary.emit(request.id, event)
+        if batch:
+            self.tokens.emit(request.id, tuple(batch))
+
+    def _load(self, settings: ModelSettings) -> Engine | None:
+        self._engine = None  # free the old models before loading new ones
+        self._engine_settings = None
+        try:
+            engine = self._factory(settings, self.progress.emit)
+        except EngineError as exc:
+            self.load_failed.emit(str(exc))
+            return None
+        except Exception as exc:
+            log.exception("model load failed")
+            self.load_failed.emit(f"{type(exc).__name__}: {exc}")
+            return None
+        self._engine, self._engine_settings = engine, settings
+        report = engine.compatibility
+        self.loaded.emit(
+            LoadInfo(
+                settings=settings,
+                description=engine.describe(),
+                methods=tuple(engine.methods),
+                compat_ok=None if report is None else bool(report.ok),
+                compat_lines=() if report is None else tuple(report.lines),
+            )
+        )
+        return engine
+
+
+class WorkerThread(QObject):
+    """Owns the QThread and the worker moved onto it; `stop()` cancels and joins."""
+
+    def __init__(self, factory: EngineFactory | None = None, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.thread = QThread()
+        self.thread.setObjectName("speclens-engine")
+        self.worker = EngineWorker(factory)
+        self.worker.moveToThread(self.thread)
+        self.thread.start()
+
+    def stop(self, timeout_ms: int = 10_000) -> None:
+        self.thread.quit()
+        self.thread.wait(timeout_ms)

@@ -1,0 +1,1 @@
+"""SpecLens engine: exact speculative decoding. Knows nothing about Qt."""

@@ -1,0 +1,230 @@
+"""The decoding loop: one generator of events for speculative and plain decoding alike.
+
+Plain autoregressive decoding is the same step with an empty draft, so the baseline gets exactly
+the optimisations the speculative path gets.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.cache import CachedModel
+from engine.detok import IncrementalDetokenizer
+from engine.drafters import Draft, Drafter, empty_draft
+from engine.events import Event, Source, StepEvent, Summary, TokenEvent
+from engine.sampling import SamplingParams, process_logits
+from engine.verify import verify_chain, verify_chain_greedy
+
+METHODS = ("ar", "draft", "lookup")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    method: str = "lookup"
+    k: int = 4
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 256
+    seed: int | None = None
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.k <= 64:
+            raise ValueError(f"draft length k must be in 1..64, got {self.k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    tokens: list[int]  # committed by this step: accepted drafts, then the correction or bonus
+    drafted: int
+    accepted: int
+    p_target: list[float]  # per emitted token, under its target row
+    p_draft: list[float | None]  # per emitted token, under its draft row (None past the draft)
+    draft_s: float
+    verify_s: float
+
+
+def speculative_step(
+    target: CachedModel,
+    drafter: Drafter | None,
+    ids: list[int],
+    k: int,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> StepResult:
+    """Draft, verify, accept or resample, commit. With no drafter this is one plain decoding step."""
+    t0 = time.perf_counter()
+    draft = drafter.propose(ids, k, params, generator) if drafter else empty_draft(target.device)
+    draft_tokens = draft.tokens.to(target.device)  # [n_draft]
+    n_draft = len(draft)
+    t1 = time.perf_counter()
+
+    logits = target.forward(ids, draft_tokens.tolist(), n_logits=n_draft + 1)  # [n_draft+1, V]
+    history = torch.tensor(ids, device=target.device)
+    scores = process_logits(logits, params, history, draft_tokens)  # [n_draft+1, V]
+    p_target = scores.softmax(-1)
+    p_draft = _draft_rows(draft, p_target.shape[-1], target.device)  # [n_draft, V]
+    if params.greedy:
+        n_accepted, next_token = verify_chain_greedy(scores.argmax(-1), draft_tokens)
+    else:
+        n_accepted, next_token = verify_chain(p_target, p_draft, draft_tokens, generator)
+    t2 = time.perf_counter()
+
+    tokens = draft_tokens[:n_accepted].tolist() + [next_token]
+    committed = ids + tokens
+    target.truncate(len(committed) - 1)  # the cache holds everything but the newest token
+    if drafter:
+        drafter.commit(committed)
+
+    rows = torch.arange(len(tokens), device=target.device)
+    token_ids = torch.tensor(tokens, device=target.device)
+    pt = p_target[rows, token_ids].tolist()
+    n_rows = min(len(tokens), n_draft)
+    pd = p_draft[rows[:n_rows], token_ids[:n_rows]].tolist() + [None] * (len(tokens) - n_rows)
+    return StepResult(tokens, n_draft, n_accepted, pt, pd, t1 - t0, t2 - t1)
+
+
+def _draft_rows(draft: Draft, vocab: int, device: torch.device) -> torch.Tensor:
+    """[n_draft, V] draft distributions; one-hot rows for deterministic drafts."""
+    if draft.probs is not None:
+        return draft.probs.to(device)
+    return torch.nn.functional.one_hot(draft.tokens.to(device), vocab).float()
+
+
+def token_source(pos: int, drafted: int, accepted: int) -> Source:
+    if drafted == 0:
+        return "target"
+    if pos < accepted:
+        return "draft_accepted"
+    return "bonus" if accepted == drafted else "target_resampled"
+
+
+def generate(
+    target: CachedModel,
+    tokenizer,
+    prompt_ids: Sequence[int],
+    config: GenerationConfig,
+    drafter: Drafter | None = None,
+    eos_ids: Sequence[int] = (),
+    cancel: threading.Event | None = None,
+) -> Iterator[Event]:
+    """Yield a TokenEvent per emitted token, a StepEvent per verification, then one Summary.
+
+    drafter=None is plain autoregressive decoding through the same step and sampler.
+    """
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    method = drafter.name if drafter else "ar"
+    params = config.sampling
+    generator = torch.Generator(device=target.device)
+    generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+    ids = list(prompt_ids)
+    eos = set(eos_ids)
+    detok = IncrementalDetokenizer(tokenizer, ids)
+
+    start = time.perf_counter()
+    target.prefill(ids)
+    if drafter:
+        drafter.prefill(ids)
+    prefill_s = time.perf_counter() - start
+
+    new_ids: list[int] = []
+    text = ""
+    steps = drafted = accepted = 0
+    position_drafted: list[int] = []
+    position_accepted: list[int] = []
+    histogram: list[int] = []
+    stop_reason = "max_new_tokens"
+    done = False
+    while not done:
+        if cancel is not None and cancel.is_set():
+            stop_reason = "cancelled"
+            break
+        # never draft past max_new_tokens: the step emits up to k + 1 tokens
+        k = min(config.k, config.max_new_tokens - len(new_ids) - 1)
+        step = speculative_step(target, drafter if k > 0 else None, ids, k, params, generator)
+        steps += 1
+        drafted += step.drafted
+        accepted += step.accepted
+        for i in range(step.drafted):
+            if i >= len(position_drafted):
+                position_drafted.append(0)
+                position_accepted.append(0)
+            position_drafted[i] += 1
+            position_accepted[i] += i < step.accepted
+        if step.accepted >= len(histogram):
+            histogram.extend([0] * (step.accepted + 1 - len(histogram)))
+        histogram[step.accepted] += 1
+
+        emitted = 0
+        for pos, token in enumerate(step.tokens):
+            ids.append(token)
+            new_ids.append(token)
+            emitted += 1
+            delta = "" if token in eos else detok.add(token)
+            hit = _first_stop(text, delta, config.stop_strings)
+            if hit is not None:
+                delta = delta[:hit]
+            text += delta
+            source = token_source(pos, step.drafted, step.accepted)
+            yield TokenEvent(token, delta, source, steps, pos, step.p_target[pos], step.p_draft[pos])
+            if token in eos:
+                stop_reason, done = "eos", True
+            elif hit is not None:
+                stop_reason, done = "stop_string", True
+            elif len(new_ids) >= config.max_new_tokens:
+                stop_reason, done = "max_new_tokens", True
+            if done:
+                break
+        yield StepEvent(
+            step=steps,
+            k=k,
+            drafted=step.drafted,
+            accepted=step.accepted,
+            emitted=emitted,
+            draft_s=step.draft_s,
+            verify_s=step.verify_s,
+            new_tokens=len(new_ids),
+            elapsed_s=time.perf_counter() - start,
+        )
+
+    elapsed = time.perf_counter() - start
+    decode_s = max(elapsed - prefill_s, 1e-9)
+    yield Summary(
+        method=method,
+        new_tokens=len(new_ids),
+        steps=steps,
+        drafted=drafted,
+        accepted=accepted,
+        mean_accepted_length=len(new_ids) / steps if steps else 0.0,
+        per_position_acceptance=tuple(a / d for a, d in zip(position_accepted, position_drafted)),
+        accepted_length_histogram=tuple(histogram),
+        tokens_per_s=len(new_ids) / decode_s,
+        elapsed_s=elapsed,
+        prefill_s=prefill_s,
+        stop_reason=stop_reason,
+        text=text,
+        token_ids=tuple(new_ids),
+    )
+
+
+def _first_stop(text: str, delta: str, stop_strings: tuple[str, ...]) -> int | None:
+    """Index in delta where the earliest stop string completed by delta begins, else None."""
+    if not stop_strings or not delta:
+        return None
+    window_start = max(0, len(text) - max(len(s) for s in stop_strings))
+    window = text[window_start:] + delta
+    offset = len(text) - window_start
+    best = None
+    for s in stop_strings:
+        i = window.find(s)
+        if i != -1 and i + len(s) > offset:
+            cut = max(i - offset, 0)
+            best = cut if best is None else min(best, cut)
+    return best

@@ -1,0 +1,129 @@
+"""The engine a front end talks to: loaded models, drafters, chat template, generation.
+
+One `Engine` lives as long as its models. It keeps the target's KV cache between calls, so the next
+turn of a conversation only prefills what is new.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from engine.cache import CachedModel
+from engine.decode import GenerationConfig, generate
+from engine.drafters import Drafter
+from engine.drafters.draft_model import DraftModelDrafter
+from engine.drafters.lookup import PromptLookupDrafter
+from engine.events import Event
+from engine.models import (
+    DEFAULT_MODEL,
+    CompatReport,
+    LoadedModel,
+    LoadOptions,
+    ModelLoadError,
+    Progress,
+    _no_progress,
+    check_pair,
+    load_model,
+)
+
+
+class EngineError(RuntimeError):
+    """Anything that stops the engine from doing what was asked; the message is meant for users."""
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    target: str = DEFAULT_MODEL
+    draft: str | None = None  # a draft model's source, for method "draft"
+    device: str = "auto"
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    offload: bool = False
+
+
+class Engine:
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None):
+        self.target = target
+        self.draft = draft
+        self.compatibility: CompatReport | None = check_pair(target, draft) if draft else None
+        if self.compatibility is not None and not self.compatibility.ok:
+            raise EngineError(
+                f"{draft.name} cannot draft for {target.name}:\n" + "\n".join(self.compatibility.lines)
+            )
+        rows = target.model.config.get_text_config().vocab_size
+        n_vocab = self.compatibility.n_vocab if self.compatibility else min(len(target.tokenizer), rows)
+        self.target_lm = CachedModel(target.model, n_vocab)
+        self._drafters: dict[str, Drafter] = {"lookup": PromptLookupDrafter()}
+        if draft is not None:
+            self._drafters["draft"] = DraftModelDrafter(CachedModel(draft.model, n_vocab))
+        self.eos_ids = _eos_ids(target)
+
+    @classmethod
+    def load(cls, settings: ModelSettings, progress: Progress | None = None) -> Engine:
+        progress = progress or _no_progress
+        options = LoadOptions(settings.device, settings.dtype, settings.trust_remote_code, settings.offload)
+        try:
+            target = load_model(settings.target, options, progress)
+            draft = load_model(settings.draft, options, progress) if settings.draft else None
+        except ModelLoadError as exc:
+            raise EngineError(str(exc)) from exc
+        return cls(target, draft)
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return ("ar", *self._drafters)
+
+    def drafter(self, method: str) -> Drafter | None:
+        if method == "ar":
+            return None
+        if method not in self._drafters:
+            raise EngineError(f"Method {method!r} is not available here; choose one of {', '.join(self.methods)}.")
+        return self._drafters[method]
+
+    def describe(self) -> str:
+        t = self.target
+        text = f"{t.name} ({t.device.type}, {str(t.dtype).removeprefix('torch.')})"
+        return text + (f" + draft {self.draft.name}" if self.draft else "")
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        tokenizer = self.target.tokenizer
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        else:
+            text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode_text(self, prompt: str) -> list[int]:
+        return self.target.tokenizer(prompt)["input_ids"]
+
+    def chat(
+        self, messages: list[dict[str, str]], config: GenerationConfig, cancel: threading.Event | None = None
+    ) -> Iterator[Event]:
+        return self.generate_ids(self.encode_chat(messages), config, cancel)
+
+    def generate_ids(
+        self, prompt_ids: list[int], config: GenerationConfig, cancel: threading.Event | None = None
+    ) -> Iterator[Event]:
+        return generate(
+            self.target_lm,
+            self.target.tokenizer,
+            prompt_ids,
+            config,
+            drafter=self.drafter(config.method),
+            eos_ids=self.eos_ids,
+            cancel=cancel,
+        )
+
+
+def _eos_ids(model: LoadedModel) -> tuple[int, ...]:
+    ids: set[int] = set()
+    if model.tokenizer.eos_token_id is not None:
+        ids.add(int(model.tokenizer.eos_token_id))
+    configured = getattr(getattr(model.model, "generation_config", None), "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(int(i) for i in configured)
+    return tuple(sorted(ids))

@@ -1,0 +1,86 @@
+"""Tiny models and an offline tokenizer, built in-process: tests never touch a model hub."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from engine.models import LoadedModel
+from engine.session import Engine
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "def add(a, b):\n    return a + b\n",
+    "Speculative decoding drafts tokens and verifies them with the target model.",
+    "Café, naïve, 東京, emoji 🙂 and other multi-byte text.",
+    "one two three four five six seven eight nine ten",
+]
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of about 400 tokens, trained in milliseconds."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, vocab: int | None = None) -> LlamaForCausalLM:
+    tokenizer = tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=vocab or len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    # Larger logits than the default init give peaked, model-like distributions.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model.eval()
+
+
+def loaded(model: LlamaForCausalLM, name: str) -> LoadedModel:
+    return LoadedModel(
+        name=name, source=name, model=model, tokenizer=tiny_tokenizer(),
+        device=torch.device("cpu"), dtype=torch.float32,
+    )
+
+
+def make_tiny_engine(draft: bool = True, target_seed: int = 0, draft_seed: int = 1) -> Engine:
+    """An Engine on a 2-layer random Llama, with a 1-layer random draft model when draft=True."""
+    target = loaded(tiny_llama(target_seed), "tiny-target")
+    drafter = loaded(tiny_llama(draft_seed, layers=1), "tiny-draft") if draft else None
+    return Engine(target, drafter)

@@ -1,0 +1,213 @@
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from engine.cache import CachedModel
+from engine.decode import GenerationConfig, generate, speculative_step
+from engine.detok import IncrementalDetokenizer
+from engine.drafters.draft_model import DraftModelDrafter
+from engine.drafters.lookup import PromptLookupDrafter, lookup
+from engine.events import StepEvent, Summary, TokenEvent
+from engine.sampling import SamplingParams
+from tests.tiny import tiny_llama, tiny_tokenizer
+
+PROMPT = "one two three four five six one two three four"
+
+
+def prompt_ids():
+    return tiny_tokenizer()(PROMPT)["input_ids"]
+
+
+def run(target, drafter, config, eos_ids=(), prompt=None):
+    events = list(generate(target, tiny_tokenizer(), prompt or prompt_ids(), config, drafter, eos_ids))
+    summary = events[-1]
+    assert isinstance(summary, Summary)
+    return events, summary
+
+
+def hf_greedy(model, ids, n):
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft_model():
+    return tiny_llama(seed=1, layers=1)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_greedy_equality_all_methods(target_model, draft_model, k):
+    n = 48
+    reference = hf_greedy(target_model, prompt_ids(), n)
+    config = GenerationConfig(k=k, max_new_tokens=n)
+    _, plain = run(CachedModel(target_model), None, config)
+    _, by_lookup = run(CachedModel(target_model), PromptLookupDrafter(), config)
+    _, by_draft = run(CachedModel(target_model), DraftModelDrafter(CachedModel(draft_model)), config)
+    assert list(plain.token_ids) == reference
+    assert list(by_lookup.token_ids) == reference
+    assert list(by_draft.token_ids) == reference
+    assert by_lookup.drafted > 0 and by_draft.drafted > 0
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_draft_equal_to_target_accepts_everything(target_model, k):
+    config = GenerationConfig(k=k, max_new_tokens=41)
+    events, summary = run(CachedModel(target_model), DraftModelDrafter(CachedModel(target_model)), config)
+    assert summary.accepted == summary.drafted > 0
+    assert summary.per_position_acceptance == (1.0,) * k
+    sources = {e.source for e in events if isinstance(e, TokenEvent)}
+    assert sources <= {"draft_accepted", "bonus", "target"} and "target_resampled" not in sources
+    assert summary.mean_accepted_length == pytest.approx(summary.new_tokens / summary.steps)
+
+
+def test_eos_inside_an_accepted_block_stops_there(target_model):
+    plain = hf_greedy(target_model, prompt_ids(), 30)
+    # pick a token as EOS whose first occurrence lies inside a block of 4
+    index = next(i for i in range(6, 30) if plain[i] not in plain[:i] and i % 5 != 0)
+    eos = plain[index]
+    config = GenerationConfig(k=4, max_new_tokens=60)
+    events, summary = run(CachedModel(target_model), DraftModelDrafter(CachedModel(target_model)), config, (eos,))
+    assert list(summary.token_ids) == plain[: index + 1]
+    assert summary.stop_reason == "eos"
+    last_token = [e for e in events if isinstance(e, TokenEvent)][-1]
+    assert last_token.token_id == eos and last_token.text == ""
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 17])
+def test_max_new_tokens_never_exceeded(target_model, max_new):
+    drafter = DraftModelDrafter(CachedModel(target_model))
+    for temperature in (0.0, 1.0):
+        config = GenerationConfig(k=4, max_new_tokens=max_new, sampling=SamplingParams(temperature=temperature), seed=0)
+        events, summary = run(CachedModel(target_model), drafter, config)
+        tokens = [e for e in events if isinstance(e, TokenEvent)]
+        assert summary.new_tokens == len(tokens) == max_new
+        assert summary.stop_reason == "max_new_tokens"
+
+
+def test_seeded_runs_are_reproducible(target_model, draft_model):
+    config = GenerationConfig(k=3, max_new_tokens=40, sampling=SamplingParams(temperature=1.0, top_k=50), seed=7)
+    runs = [
+        run(CachedModel(target_model), DraftModelDrafter(CachedModel(draft_model)), config)[1].token_ids
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]
+    other = run(CachedModel(target_model), DraftModelDrafter(CachedModel(draft_model)),
+                GenerationConfig(k=3, max_new_tokens=40, sampling=SamplingParams(temperature=1.0, top_k=50), seed=8))
+    assert other[1].token_ids != runs[0]
+
+
+def test_events_are_consistent(target_model, draft_model):
+    config = GenerationConfig(k=4, max_new_tokens=40, sampling=SamplingParams(temperature=0.8), seed=3)
+    events, summary = run(CachedModel(target_model), DraftModelDrafter(CachedModel(draft_model)), config)
+    tokens = [e for e in events if isinstance(e, TokenEvent)]
+    steps = [e for e in events if isinstance(e, StepEvent)]
+    assert "".join(t.text for t in tokens) == summary.text
+    assert len(steps) == summary.steps
+    assert sum(s.accepted for s in steps) == summary.accepted
+    assert sum(s.emitted for s in steps) == summary.new_tokens
+    assert sum(summary.accepted_length_histogram) == summary.steps
+    for t in tokens:
+        assert 0.0 <= t.p_target <= 1.0
+        if t.source == "draft_accepted":
+            assert t.p_draft is not None and t.p_target > 0
+        if t.source == "bonus":
+            assert t.p_draft is None
+
+
+def test_cancel_stops_between_steps(target_model):
+    import threading
+
+    cancel = threading.Event()
+    seen = 0
+    gen = generate(CachedModel(target_model), tiny_tokenizer(), prompt_ids(), GenerationConfig(max_new_tokens=200),
+                   PromptLookupDrafter(), cancel=cancel)
+    for event in gen:
+        if isinstance(event, StepEvent):
+            seen += 1
+            if seen == 3:
+                cancel.set()
+        if isinstance(event, Summary):
+            assert event.stop_reason == "cancelled" and event.steps == 3
+
+
+def test_stop_string_cuts_text(target_model):
+    _, full = run(CachedModel(target_model), None, GenerationConfig(max_new_tokens=30))
+    stop = full.text[10:13]
+    _, cut = run(CachedModel(target_model), PromptLookupDrafter(), GenerationConfig(max_new_tokens=30, stop_strings=(stop,)))
+    assert cut.stop_reason == "stop_string"
+    assert cut.text == full.text[: full.text.index(stop)]
+
+
+def _assert_cache_matches_fresh_prefill(model, lm: CachedModel):
+    fresh = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([lm.cached_ids]), cache=fresh, use_cache=True)
+    for ours, ref in zip(lm._cache.layers, fresh.layers):
+        assert ours.keys.shape == ref.keys.shape
+        torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-4)
+
+
+def test_cache_consistent_over_random_rollbacks(target_model):
+    rng = random.Random(0)
+    lm = CachedModel(target_model)
+    vocab = target_model.config.vocab_size
+    ids = prompt_ids()
+    lm.prefill(ids)
+    for round_ in range(1000):
+        k = rng.randint(0, 5)
+        block = [rng.randrange(vocab) for _ in range(k)]
+        lm.forward(ids, block, k + 1)
+        n = rng.randint(0, k)
+        ids = ids + block[:n] + [rng.randrange(vocab)]
+        lm.truncate(len(ids) - 1)
+        assert lm.cached_ids == ids[:-1]
+        if round_ % 100 == 99:
+            _assert_cache_matches_fresh_prefill(target_model, lm)
+        if len(ids) > 300:
+            ids = ids[:20]
+            lm.truncate(lm.common_prefix(ids))
+
+
+def test_speculative_steps_keep_both_caches_committed(target_model, draft_model):
+    target, draft = CachedModel(target_model), CachedModel(draft_model)
+    drafter = DraftModelDrafter(draft)
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0)
+    ids = prompt_ids()
+    target.prefill(ids)
+    drafter.prefill(ids)
+    for step in range(300):
+        result = speculative_step(target, drafter, ids, 1 + step % 5, params, gen)
+        ids = ids + result.tokens
+        assert target.cached_ids == ids[:-1]
+        assert draft.cached_ids == ids[: len(draft.cached_ids)] and len(draft.cached_ids) >= len(ids) - 2
+        if len(ids) > 400:
+            ids = prompt_ids()
+            target.prefill(ids)
+            drafter.prefill(ids)
+    _assert_cache_matches_fresh_prefill(target_model, target)
+    _assert_cache_matches_fresh_prefill(draft_model, draft)
+
+
+def test_lookup_finds_latest_longest_match():
+    assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]
+    assert lookup([5, 6, 7], 3) == []
+    assert lookup([4, 4], 3) == [4]
+
+
+def test_incremental_detokenizer_matches_full_decode():
+    tok = tiny_tokenizer()
+    text = "Café, naïve, 東京 🙂 and spaces   here"
+    ids = tok(text)["input_ids"]
+    detok = IncrementalDetokenizer(tok)
+    assert "".join(detok.add(i) for i in ids) == tok.decode(ids)

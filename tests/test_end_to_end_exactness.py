@@ -1,0 +1,97 @@
+"""End-to-end exactness of generate(): the joint law of the emitted tokens equals the target's.
+
+A vocabulary of 8 makes the target's exact law of the first 4 tokens enumerable (8^4 sequences).
+The same check is shown to fail when verification is swapped for a broken sampler.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+import engine.decode as decode
+from engine.cache import CachedModel
+from engine.decode import GenerationConfig, generate
+from engine.drafters.draft_model import DraftModelDrafter
+from engine.events import Summary
+from engine.sampling import SamplingParams
+from engine.selftest import chi_square_p_value
+from tests.broken_samplers import resample_from_target
+from tests.tiny import tiny_llama
+
+VOCAB, N_TOKENS, PROMPT = 8, 4, [1, 2, 3]
+PARAMS = SamplingParams(temperature=1.0)
+
+
+class SilentTokenizer:
+    def decode(self, ids, **kwargs):
+        return ""
+
+
+@pytest.fixture(scope="module")
+def models():
+    return tiny_llama(seed=3, vocab=VOCAB), tiny_llama(seed=4, layers=1, vocab=VOCAB)
+
+
+def exact_marginals(model) -> torch.Tensor:
+    """[N_TOKENS, V] exact law of each emitted position under plain sampling from the target."""
+    seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=N_TOKENS)))  # [V^N, N]
+    inputs = torch.cat([torch.tensor(PROMPT).expand(len(seqs), -1), seqs[:, :-1]], dim=1)
+    with torch.inference_mode():
+        logits = model(inputs).logits[:, len(PROMPT) - 1 :]  # [V^N, N, V]
+    step_probs = logits.double().softmax(-1).gather(-1, seqs[..., None])[..., 0]  # [V^N, N]
+    joint = step_probs.prod(-1)  # [V^N]
+    return torch.stack([torch.zeros(VOCAB, dtype=torch.float64).index_add_(0, seqs[:, j], joint)
+                        for j in range(N_TOKENS)])
+
+
+def sampled_counts(models, config, trials) -> torch.Tensor:
+    target, draft = models
+    target_lm, drafter = CachedModel(target), DraftModelDrafter(CachedModel(draft))
+    counts = torch.zeros(N_TOKENS, VOCAB, dtype=torch.float64)
+    for seed in range(trials):
+        config = GenerationConfig(**{**config.__dict__, "seed": seed})
+        summary = list(generate(target_lm, SilentTokenizer(), PROMPT, config, drafter))[-1]
+        assert isinstance(summary, Summary)
+        for j, token in enumerate(summary.token_ids):
+            counts[j, token] += 1
+    return counts
+
+
+def law_matches(counts, marginals) -> bool:
+    expected = counts.sum(-1, keepdim=True) * marginals
+    sigma = (expected * (1 - marginals)).sqrt()
+    within = bool(((counts - expected).abs() <= 6 * sigma + 5).all())
+    return within and min(chi_square_p_value(c, e) for c, e in zip(counts, expected)) > 1e-4
+
+
+CONFIG = GenerationConfig(method="draft", k=3, adaptive_k=True, max_new_tokens=N_TOKENS, sampling=PARAMS)
+
+
+def test_adaptive_k_generation_is_exact(models):
+    counts = sampled_counts(models, CONFIG, trials=4000)
+    assert law_matches(counts, exact_marginals(models[0]))
+
+
+def test_check_fails_with_a_broken_verifier(models, monkeypatch):
+    monkeypatch.setattr(decode, "verify_chain", resample_from_target)
+    counts = sampled_counts(models, CONFIG, trials=4000)
+    assert not law_matches(counts, exact_marginals(models[0]))
+
+
+def test_adaptive_k_never_changes_greedy_output(models):
+    target, draft = models
+    outputs = []
+    for adaptive in (False, True):
+        config = GenerationConfig(k=4, adaptive_k=adaptive, max_new_tokens=40)
+        summary = list(generate(CachedModel(target), SilentTokenizer(), PROMPT, config,
+                                DraftModelDrafter(CachedModel(draft))))[-1]
+        outputs.append(summary.token_ids)
+    assert outputs[0] == outputs[1]
+
+
+def test_draft_length_schedule():
+    assert decode.next_draft_length(4, 4, 4, k_max=8) == 6
+    assert decode.next_draft_length(7, 7, 7, k_max=8) == 8
+    assert decode.next_draft_length(4, 4, 1, k_max=8) == 3
+    assert decode.next_draft_length(1, 1, 0, k_max=8) == 1

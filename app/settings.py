@@ -96,7 +96,7 @@ class AppSettings:
     def from_dict(cls, data: dict) -> AppSettings:
         """Build from a (possibly old or hand-edited) mapping: unknown keys are ignored and a bad
         value falls back to the default for the whole file, rather than refusing to start."""
-        known = {f.name: f.type for f in fields(cls)}
+        known = {f.name for f in fields(cls)}
         kept = {key: value for key, value in data.items() if key in known}
         try:
             return cls(**kept)

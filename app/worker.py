@@ -96,8 +96,8 @@ class EngineWorker(QObject):
             engine = self._engine
             if needs_reload(self._engine_settings, request.model):
                 engine = self._load(request.model)
-                if engine is None:
-                    self.error.emit(request.id, "The model could not be loaded (see the message above).")
+                if isinstance(engine, str):
+                    self.error.emit(request.id, f"Could not load the model: {engine}")
                     return
             if request.config.method not in engine.methods:
                 self.error.emit(
@@ -132,18 +132,19 @@ class EngineWorker(QObject):
         if batch:
             self.tokens.emit(request.id, tuple(batch))
 
-    def _load(self, settings: ModelSettings) -> Engine | None:
+    def _load(self, settings: ModelSettings) -> Engine | str:
+        """The loaded engine, or the user-readable reason it could not be loaded."""
         self._engine = None  # free the old models before loading new ones
         self._engine_settings = None
         try:
             engine = self._factory(settings, self.progress.emit)
         except EngineError as exc:
             self.load_failed.emit(str(exc))
-            return None
+            return str(exc)
         except Exception as exc:
             log.exception("model load failed")
             self.load_failed.emit(f"{type(exc).__name__}: {exc}")
-            return None
+            return f"{type(exc).__name__}: {exc}"
         self._engine, self._engine_settings = engine, settings
         report = engine.compatibility
         self.loaded.emit(

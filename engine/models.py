@@ -207,7 +207,7 @@ def load_model(source: str, options: LoadOptions = LoadOptions(), progress: Prog
         )
     except torch.OutOfMemoryError as exc:
         raise ModelLoadError(f"Out of memory loading {name} on {device}: try a smaller dtype or offload.") from exc
-    except (OSError, ValueError, RuntimeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - loaders raise many types; users need one clear message
         if source == DEFAULT_MODEL:
             # A damaged cache is rebuilt rather than left to fail every start.
             shutil.rmtree(default_model_dir(), ignore_errors=True)

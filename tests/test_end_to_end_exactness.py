@@ -69,13 +69,13 @@ CONFIG = GenerationConfig(method="draft", k=3, adaptive_k=True, max_new_tokens=N
 
 
 def test_adaptive_k_generation_is_exact(models):
-    counts = sampled_counts(models, CONFIG, trials=4000)
+    counts = sampled_counts(models, CONFIG, trials=3000)
     assert law_matches(counts, exact_marginals(models[0]))
 
 
 def test_check_fails_with_a_broken_verifier(models, monkeypatch):
     monkeypatch.setattr(decode, "verify_chain", resample_from_target)
-    counts = sampled_counts(models, CONFIG, trials=4000)
+    counts = sampled_counts(models, CONFIG, trials=3000)
     assert not law_matches(counts, exact_marginals(models[0]))
 
 

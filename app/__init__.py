@@ -1,0 +1,1 @@
+"""SpecLens desktop app (Qt). Adapts engine events to widgets; holds no decoding logic."""

@@ -1,0 +1,203 @@
+"""Conversations in SQLite (WAL), with token sources and step events so reloads keep colours.
+
+Every write is its own short transaction, so a killed app loses at most the partial answer written
+since the last save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import platformdirs
+
+from engine.events import StepEvent, TokenEvent
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    id INTEGER PRIMARY KEY,
+    title TEXT NOT NULL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY,
+    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    role TEXT NOT NULL,
+    content TEXT NOT NULL,
+    tokens TEXT NOT NULL DEFAULT '[]',
+    steps TEXT NOT NULL DEFAULT '[]',
+    meta TEXT NOT NULL DEFAULT '',
+    error TEXT NOT NULL DEFAULT '',
+    complete INTEGER NOT NULL DEFAULT 1,
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
+"""
+
+_TOKEN_FIELDS = ("token_id", "text", "source", "step", "pos", "p_target", "p_draft")
+_STEP_FIELDS = tuple(StepEvent.__dataclass_fields__)
+
+
+def data_dir() -> Path:
+    override = os.environ.get("SPECLENS_DATA_DIR")
+    return Path(override) if override else Path(platformdirs.user_data_dir("speclens"))
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: int
+    title: str
+    updated: float
+
+
+@dataclass(frozen=True)
+class StoredMessage:
+    id: int
+    role: str
+    content: str
+    tokens: tuple[TokenEvent, ...]
+    steps: tuple[StepEvent, ...]
+    meta: str
+    error: str
+    complete: bool
+
+
+def _tokens_json(tokens: tuple[TokenEvent, ...] | list[TokenEvent]) -> str:
+    return json.dumps([[getattr(t, f) for f in _TOKEN_FIELDS] for t in tokens], separators=(",", ":"))
+
+
+def _steps_json(steps: tuple[StepEvent, ...] | list[StepEvent]) -> str:
+    return json.dumps([[getattr(s, f) for f in _STEP_FIELDS] for s in steps], separators=(",", ":"))
+
+
+class HistoryStore:
+    """Used from the GUI thread only (sqlite connections are not shared across threads)."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or data_dir() / "history.sqlite3"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, isolation_level=None)  # autocommit; explicit txns
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    # -- conversations ---------------------------------------------------------------------------
+
+    def conversations(self) -> list[Conversation]:
+        rows = self._db.execute(
+            "SELECT id, title, updated FROM conversations ORDER BY updated DESC, id DESC"
+        )
+        return [Conversation(*row) for row in rows]
+
+    def create_conversation(self, title: str = "New chat") -> int:
+        now = time.time()
+        cur = self._db.execute(
+            "INSERT INTO conversations (title, created, updated) VALUES (?, ?, ?)", (title, now, now)
+        )
+        return int(cur.lastrowid)
+
+    def rename(self, conversation_id: int, title: str) -> None:
+        self._db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id))
+
+    def delete(self, conversation_id: int) -> None:
+        self._db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+
+    def title(self, conversation_id: int) -> str:
+        row = self._db.execute(
+            "SELECT title FROM conversations WHERE id = ?", (conversation_id,)
+        ).fetchone()
+        return row[0] if row else ""
+
+    # -- messages --------------------------------------------------------------------------------
+
+    def add_message(
+        self, conversation_id: int, role: str, content: str, *, complete: bool = True, meta: str = ""
+    ) -> int:
+        now = time.time()
+        with self._db:
+            self._db.execute("BEGIN")
+            cur = self._db.execute(
+                "INSERT INTO messages (conversation_id, role, content, meta, complete, created)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (conversation_id, role, content, meta, int(complete), now),
+            )
+            self._db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
+        return int(cur.lastrowid)
+
+    def update_message(
+        self,
+        message_id: int,
+        content: str,
+        tokens: tuple[TokenEvent, ...] | list[TokenEvent] = (),
+        steps: tuple[StepEvent, ...] | list[StepEvent] = (),
+        *,
+        meta: str | None = None,
+        error: str = "",
+        complete: bool = False,
+    ) -> None:
+        self._db.execute(
+            "UPDATE messages SET content = ?, tokens = ?, steps = ?, meta = COALESCE(?, meta),"
+            " error = ?, complete = ? WHERE id = ?",
+            (content, _tokens_json(tokens), _steps_json(steps), meta, error, int(complete), message_id),
+        )
+
+    def messages(self, conversation_id: int) -> list[StoredMessage]:
+        rows = self._db.execute(
+            "SELECT id, role, content, tokens, steps, meta, error, complete FROM messages"
+            " WHERE conversation_id = ? ORDER BY id",
+            (conversation_id,),
+        )
+        return [
+            StoredMessage(
+                id=mid,
+                role=role,
+                content=content,
+                tokens=tuple(TokenEvent(*t) for t in json.loads(tokens)),
+                steps=tuple(StepEvent(*s) for s in json.loads(steps)),
+                meta=meta,
+                error=error,
+                complete=bool(complete),
+            )
+            for mid, role, content, tokens, steps, meta, error, complete in rows
+        ]
+
+    # -- export ----------------------------------------------------------------------------------
+
+    def export_markdown(self, conversation_id: int) -> str:
+        parts = [f"# {self.title(conversation_id)}\n"]
+        for m in self.messages(conversation_id):
+            who = "You" if m.role == "user" else "Assistant"
+            meta = f" <sub>{m.meta}</sub>" if m.meta else ""
+            parts.append(f"## {who}{meta}\n\n{m.content.strip()}\n")
+            if m.error:
+                parts.append(f"> **Error:** {m.error}\n")
+        return "\n".join(parts)
+
+    def export_json(self, conversation_id: int) -> str:
+        return json.dumps(
+            {
+                "title": self.title(conversation_id),
+                "messages": [
+                    {
+                        "role": m.role,
+                        "content": m.content,
+                        "meta": m.meta,
+                        "error": m.error,
+                        "complete": m.complete,
+                        "tokens": [asdict(t) for t in m.tokens],
+                    }
+                    for m in self.messages(conversation_id)
+                ],
+            },
+            indent=2,
+            ensure_ascii=False,
+        )

@@ -1,0 +1,114 @@
+"""Entry point: QApplication on qasync's event loop, plus a headless screenshot mode.
+
+    speclens-gui
+    speclens-gui --prompt "Explain speculative decoding" [--compare] --screenshot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import qasync
+from PySide6.QtWidgets import QApplication
+
+from app.chat_view import Message
+from app.compare import CompareResult
+from app.settings import MAX_K, METHODS, SettingsStore, with_overrides
+from app.window import MainWindow
+from app.worker import EngineFactory
+
+SCREENSHOT_SIZE = (1440, 900)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="speclens-gui", description="SpecLens desktop app")
+    parser.add_argument("--prompt", help="send this message at start-up")
+    parser.add_argument("--compare", action="store_true", help="run the prompt plain vs speculative")
+    parser.add_argument("--screenshot", type=Path, help="save a screenshot here when done, then exit")
+    parser.add_argument("--target", help="target model: default, hub id, folder or .gguf")
+    parser.add_argument("--method", choices=METHODS, help="drafting method")
+    parser.add_argument("-k", type=int, choices=range(1, MAX_K + 1), metavar=f"1..{MAX_K}", help="draft length")
+    parser.add_argument("--max-new-tokens", type=int, help="answer length limit")
+    parser.add_argument("--timeout", type=float, default=900.0, help="headless mode: give up after this many seconds")
+    return parser.parse_args(argv)
+
+
+async def run_headless(window: MainWindow, prompt: str, compare: bool, screenshot: Path | None, timeout: float) -> int:
+    """Send the prompt (or compare it), wait for the answer, save a screenshot; return an exit code."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def finish(result: object) -> None:
+        if not done.done():
+            done.set_result(result)
+
+    if compare:
+        window.compare.finished.connect(finish)
+        window.run_compare(prompt)
+    else:
+        window.answer_finished.connect(finish)
+        if not window.send_message(prompt):
+            print("speclens: could not send the prompt", file=sys.stderr)
+            return 2
+    try:
+        result = await asyncio.wait_for(done, timeout)
+    except asyncio.TimeoutError:
+        print(f"speclens: no answer within {timeout:g} s", file=sys.stderr)
+        return 3
+    await asyncio.sleep(0.3)  # let the plots timer and layout catch up before grabbing
+    if screenshot is not None:
+        screenshot.parent.mkdir(parents=True, exist_ok=True)
+        if not window.grab().save(str(screenshot)):
+            print(f"speclens: could not write {screenshot}", file=sys.stderr)
+            return 4
+    error = result.error if isinstance(result, (Message, CompareResult)) else ""
+    if error and error != "(stopped)":
+        print(f"speclens: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, engine_factory: EngineFactory | None = None) -> int:
+    """`engine_factory` replaces Engine.load (tests and embedding); None loads real models."""
+    args = parse_args(argv)
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("SpecLens")
+    app.setOrganizationName("speclens")
+    loop = qasync.QEventLoop(app)
+    asyncio.set_event_loop(loop)
+
+    store = SettingsStore()
+    # flags apply to this run only; the stored settings stay as they were
+    settings = with_overrides(
+        store.load(), target=args.target, method=args.method, k=args.k,
+        max_new_tokens=args.max_new_tokens,
+    )
+    window = MainWindow(store, engine_factory=engine_factory, settings=settings)
+    if args.screenshot is not None:
+        window.resize(*SCREENSHOT_SIZE)
+    window.show()
+
+    with loop:
+        if args.prompt:
+            code = loop.run_until_complete(
+                run_headless(window, args.prompt, args.compare, args.screenshot, args.timeout)
+            )
+            window.close()
+            return code
+        if args.screenshot is not None:
+            loop.run_until_complete(asyncio.sleep(0.5))
+            window.grab().save(str(args.screenshot))
+            window.close()
+            return 0
+        quitting = asyncio.Event()
+        app.aboutToQuit.connect(quitting.set)
+        loop.run_until_complete(quitting.wait())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

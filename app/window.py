@@ -1,0 +1,556 @@
+"""The main window: conversations (left), chat / compare (centre), plots (right), status bar."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QFileDialog,
+    QHBoxLayout,
+    QInputDialog,
+    QLabel,
+    QListWidget,
+    QListWidgetItem,
+    QMainWindow,
+    QMenu,
+    QPlainTextEdit,
+    QProgressBar,
+    QPushButton,
+    QSplitter,
+    QTabWidget,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+from superqt.utils import qthrottled
+
+from engine.events import StepEvent, Summary, TokenEvent
+
+from app.chat_view import ChatView, Legend, Message
+from app.compare import ComparePanel
+from app.history import HistoryStore
+from app.plots import StepPlots, summary_text
+from app.settings import METHOD_LABELS, AppSettings, SettingsDialog, SettingsStore, config_dir
+from app.worker import EngineFactory, GenerateRequest, LoadInfo, WorkerThread
+
+FLUSH_MS = 33  # at most ~30 redraws/s however fast tokens arrive
+AUTOSAVE_MS = 1000
+
+
+class PromptEdit(QPlainTextEdit):
+    """Enter sends, Shift+Enter inserts a newline."""
+
+    submitted = Signal()
+
+    def keyPressEvent(self, event) -> None:
+        enter = event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter)
+        if enter and not event.modifiers() & Qt.KeyboardModifier.ShiftModifier:
+            self.submitted.emit()
+            return
+        super().keyPressEvent(event)
+
+
+@dataclass
+class _Answer:
+    """The generation in flight (GUI-thread state only)."""
+
+    request: GenerateRequest
+    message_id: int
+    settings: AppSettings
+    tokens: list[TokenEvent]
+    steps: list[StepEvent]
+    summary: Summary | None = None
+    error: str = ""
+    saved_tokens: int = -1
+
+
+class MainWindow(QMainWindow):
+    answer_finished = Signal(object)  # Message
+    busy_changed = Signal(bool)
+
+    def __init__(
+        self,
+        settings_store: SettingsStore | None = None,
+        history: HistoryStore | None = None,
+        engine_factory: EngineFactory | None = None,
+        preload: bool = True,
+        settings: AppSettings | None = None,
+    ) -> None:
+        """`settings` overrides the stored settings for this session without saving them."""
+        super().__init__()
+        self.setWindowTitle("SpecLens")
+        self.settings_store = settings_store or SettingsStore()
+        self.settings = settings or self.settings_store.load()
+        self.history = history or HistoryStore()
+        self._thread = WorkerThread(engine_factory, self)
+        self.worker = self._thread.worker
+        self._answer: _Answer | None = None
+        self._pending: list[TokenEvent] = []
+        self._pending_steps: list[StepEvent] = []
+        self._conversation_id: int | None = None
+        self._answer_steps: dict[int, tuple[tuple[StepEvent, ...], str]] = {}  # view index -> steps, caption
+        self._loaded: LoadInfo | None = None
+        self._dialog: SettingsDialog | None = None
+        self._closing = False
+
+        self._build_ui()
+        self._connect_worker()
+        self._flush = qthrottled(self._flush_now, timeout=FLUSH_MS, leading=True, parent=self)
+        self._autosave = QTimer(self, interval=AUTOSAVE_MS)
+        self._autosave.timeout.connect(self._save_partial)
+        self._refresh_conversations()
+        conversations = self.history.conversations()
+        if conversations:
+            self.open_conversation(conversations[0].id)
+        self._show_settings_in_status()
+        self._restore_geometry()
+        if preload:
+            self.worker.request_load.emit(self.settings.model_settings())
+
+    # -- construction ----------------------------------------------------------------------------
+
+    def _build_ui(self) -> None:
+        self.conversation_list = QListWidget()
+        self.conversation_list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.conversation_list.customContextMenuRequested.connect(self._conversation_menu)
+        self.conversation_list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.conversation_list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.conversation_list.currentItemChanged.connect(self._conversation_clicked)
+        new_chat = QPushButton("New chat")
+        new_chat.clicked.connect(self.new_conversation)
+        left = QWidget()
+        left_layout = QVBoxLayout(left)
+        left_layout.setContentsMargins(8, 8, 4, 8)
+        title = QLabel("Conversations")
+        title.setStyleSheet("font-weight: 600; color: #374151;")
+        left_layout.addWidget(title)
+        left_layout.addWidget(self.conversation_list, 1)
+        left_layout.addWidget(new_chat)
+
+        self.chat = ChatView()
+        self.chat.answer_selected.connect(self._show_answer_plots)
+        self.hide_colours = QCheckBox("Hide colours")
+        self.hide_colours.toggled.connect(self._toggle_colours)
+        legend_row = QHBoxLayout()
+        legend_row.addWidget(QLabel("Token source:"))
+        legend_row.addWidget(Legend(), 1)
+        legend_row.addWidget(self.hide_colours)
+        self.error_banner = QLabel()
+        self.error_banner.setWordWrap(True)
+        self.error_banner.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.error_banner.setStyleSheet(
+            "QLabel { background: #fdecea; color: #8a1c1c; border: 1px solid #f5c2c0;"
+            " border-radius: 6px; padding: 6px 10px; }"
+        )
+        self.error_banner.hide()
+        self.input = PromptEdit()
+        self.input.setPlaceholderText("Message the model — Enter sends, Shift+Enter for a new line")
+        self.input.setFixedHeight(78)
+        self.input.submitted.connect(self.send_from_input)
+        self.send_button = QPushButton("Send")
+        self.send_button.setDefault(True)
+        self.send_button.clicked.connect(self.send_from_input)
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setEnabled(False)
+        self.stop_button.clicked.connect(self.stop)
+        buttons = QVBoxLayout()
+        buttons.addWidget(self.send_button)
+        buttons.addWidget(self.stop_button)
+        buttons.addStretch(1)
+        input_row = QHBoxLayout()
+        input_row.addWidget(self.input, 1)
+        input_row.addLayout(buttons)
+        chat_page = QWidget()
+        chat_layout = QVBoxLayout(chat_page)
+        chat_layout.setContentsMargins(10, 10, 10, 10)
+        chat_layout.addLayout(legend_row)
+        chat_layout.addWidget(self.chat, 1)
+        chat_layout.addWidget(self.error_banner)
+        chat_layout.addLayout(input_row)
+
+        self.compare = ComparePanel(self.worker)
+        self.compare.set_settings(self.settings)
+        self.tabs = QTabWidget()
+        self.tabs.setDocumentMode(True)
+        self.tabs.addTab(chat_page, "Chat")
+        self.tabs.addTab(self.compare, "Compare")
+
+        self.plots = StepPlots()
+
+        self.splitter = QSplitter(Qt.Orientation.Horizontal)
+        self.splitter.addWidget(left)
+        self.splitter.addWidget(self.tabs)
+        self.splitter.addWidget(self.plots)
+        self.splitter.setStretchFactor(0, 0)
+        self.splitter.setStretchFactor(1, 3)
+        self.splitter.setStretchFactor(2, 2)
+        self.splitter.setSizes([220, 700, 560])
+        self.setCentralWidget(self.splitter)
+
+        self.status_model = QLabel("No model loaded")
+        self.status_method = QLabel()
+        self.status_k = QLabel()
+        self.status_speed = QLabel("— tok/s")
+        self.progress = QProgressBar()
+        self.progress.setMaximumWidth(180)
+        self.progress.setTextVisible(False)
+        self.progress.hide()
+        bar = self.statusBar()
+        bar.addWidget(self.progress)
+        for label in (self.status_model, self.status_method, self.status_k, self.status_speed):
+            label.setContentsMargins(8, 0, 8, 0)
+            bar.addPermanentWidget(label)
+
+        settings_action = QAction("Settings…", self, shortcut=QKeySequence("Ctrl+,"))
+        settings_action.triggered.connect(self.open_settings)
+        new_action = QAction("New chat", self, shortcut=QKeySequence.StandardKey.New)
+        new_action.triggered.connect(self.new_conversation)
+        quit_action = QAction("Quit", self, shortcut=QKeySequence.StandardKey.Quit)
+        quit_action.triggered.connect(self.close)
+        file_menu = self.menuBar().addMenu("&File")
+        file_menu.addAction(new_action)
+        file_menu.addAction(settings_action)
+        file_menu.addSeparator()
+        file_menu.addAction(quit_action)
+        settings_button = QToolButton()
+        settings_button.setDefaultAction(settings_action)
+        self.tabs.setCornerWidget(settings_button)
+
+    def _connect_worker(self) -> None:
+        w = self.worker
+        w.progress.connect(self._on_progress)
+        w.loaded.connect(self._on_loaded)
+        w.load_failed.connect(self._on_load_failed)
+        w.tokens.connect(self._on_tokens)
+        w.step.connect(self._on_step)
+        w.summary.connect(self._on_summary)
+        w.error.connect(self._on_error)
+        w.finished.connect(self._on_finished)
+
+    # -- public actions --------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return self._answer is not None
+
+    def send_from_input(self) -> None:
+        if self.send_message(self.input.toPlainText()):
+            self.input.clear()
+
+    def send_message(self, text: str) -> bool:
+        """Store the user's message, then start generating with a snapshot of the settings."""
+        text = text.strip()
+        if not text or self.busy:
+            return False
+        if self._conversation_id is None:
+            self._conversation_id = self.history.create_conversation(_title_from(text))
+            self._refresh_conversations()
+        self.history.add_message(self._conversation_id, "user", text)
+        self.chat.add_message(Message("user", text))
+        snapshot = self.settings
+        history = tuple((m.role, m.text) for m in self.chat.messages if m.text)
+        request = GenerateRequest(snapshot.model_settings(), history, snapshot.generation_config())
+        meta = _meta_line(snapshot, None)
+        message_id = self.history.add_message(self._conversation_id, "assistant", "", complete=False, meta=meta)
+        self._answer = _Answer(request, message_id, snapshot, [], [])
+        self.chat.begin_answer(meta + " · generating…")
+        self.plots.clear()
+        self.error_banner.hide()
+        self._set_busy(True)
+        self._autosave.start()
+        self.worker.request_generate.emit(request)
+        return True
+
+    def stop(self) -> None:
+        if self._answer is not None:
+            self._answer.request.cancel.set()
+            self.stop_button.setEnabled(False)
+        self.compare.stop()
+
+    def run_compare(self, prompt: str) -> None:
+        self.tabs.setCurrentWidget(self.compare)
+        self.compare.prompt.setText(prompt)
+        self.compare.run(prompt)
+
+    def apply_settings(self, settings: AppSettings, persist: bool = True) -> None:
+        """Use `settings` from the next message on; the generation in flight keeps its snapshot."""
+        self.settings = settings
+        if persist:
+            self.settings_store.save(settings)
+        self.compare.set_settings(settings)
+        self._show_settings_in_status()
+
+    def open_settings(self) -> None:
+        dialog = SettingsDialog(self.settings, self)
+        dialog.check_requested.connect(lambda s: self.worker.request_load.emit(s.model_settings()))
+        if self._loaded and self._loaded.settings == self.settings.model_settings():
+            self._show_report(dialog, self._loaded)
+        self._dialog = dialog
+        try:
+            if dialog.exec():
+                self.apply_settings(dialog.settings())
+        finally:
+            self._dialog = None
+
+    def new_conversation(self) -> None:
+        if self.busy:
+            return
+        self._conversation_id = None
+        self.chat.set_messages(())
+        self._answer_steps.clear()
+        self.plots.set_steps(())
+        self.conversation_list.blockSignals(True)
+        self.conversation_list.clearSelection()
+        self.conversation_list.setCurrentItem(None)
+        self.conversation_list.blockSignals(False)
+        self.input.setFocus()
+
+    def open_conversation(self, conversation_id: int) -> None:
+        if self.busy:
+            return
+        self._conversation_id = conversation_id
+        self._answer_steps.clear()
+        messages = []
+        for stored in self.history.messages(conversation_id):
+            error = stored.error or ("" if stored.complete else "(interrupted)")
+            if stored.steps:
+                self._answer_steps[len(messages)] = (stored.steps, stored.meta)
+            messages.append(Message(stored.role, stored.content, stored.tokens, stored.meta, error))
+        self.chat.set_messages(messages)
+        last = max(self._answer_steps, default=None)
+        self.plots.set_steps(*self._answer_steps.get(last, ((), "")))
+        self._select_in_list(conversation_id)
+
+    # -- worker signals --------------------------------------------------------------------------
+
+    def _mine(self, rid: int) -> bool:
+        return self._answer is not None and self._answer.request.id == rid
+
+    def _on_progress(self, message: str, fraction: float | None) -> None:
+        self.statusBar().showMessage(message)
+        self.progress.show()
+        if fraction is None:
+            self.progress.setRange(0, 0)
+        else:
+            self.progress.setRange(0, 1000)
+            self.progress.setValue(int(1000 * fraction))
+
+    def _on_loaded(self, info: LoadInfo) -> None:
+        self._loaded = info
+        self.progress.hide()
+        self.statusBar().showMessage(f"Loaded {info.description}", 5000)
+        self.status_model.setText(info.description)
+        self.status_model.setToolTip("\n".join(info.compat_lines))
+        if self._dialog is not None:
+            self._show_report(self._dialog, info)
+
+    def _on_load_failed(self, message: str) -> None:
+        self._loaded = None
+        self.progress.hide()
+        self.status_model.setText("Model failed to load")
+        self.statusBar().showMessage("Model failed to load", 10000)
+        self.show_error(f"Could not load the model: {message}")
+        if self._dialog is not None:
+            self._dialog.show_report(False, (message,))
+
+    def _on_tokens(self, rid: int, tokens: tuple[TokenEvent, ...]) -> None:
+        if self._mine(rid):
+            self._answer.tokens.extend(tokens)
+            self._pending.extend(tokens)
+            self._flush()
+
+    def _on_step(self, rid: int, step: StepEvent) -> None:
+        if self._mine(rid):
+            self._answer.steps.append(step)
+            self._pending_steps.append(step)
+            self._flush()
+
+    def _on_summary(self, rid: int, summary: Summary) -> None:
+        if self._mine(rid):
+            self._answer.summary = summary
+
+    def _on_error(self, rid: int, message: str) -> None:
+        if self._mine(rid):
+            self._answer.error = message
+            self.show_error(message)
+
+    def _on_finished(self, rid: int) -> None:
+        if not self._mine(rid):
+            return
+        self._flush.cancel()
+        self._flush_now()
+        answer = self._answer
+        self._answer = None
+        self._autosave.stop()
+        text = "".join(t.text for t in answer.tokens)
+        meta = _meta_line(answer.settings, answer.summary)
+        error = answer.error
+        if answer.summary and answer.summary.stop_reason == "cancelled":
+            error = error or "(stopped)"
+        message = Message("assistant", text, tuple(answer.tokens), meta, error)
+        self.history.update_message(
+            answer.message_id, text, answer.tokens, answer.steps, meta=meta, error=error, complete=True
+        )
+        self.chat.finish_answer(message)
+        caption = summary_text(answer.summary) if answer.summary else meta
+        self._answer_steps[len(self.chat.messages) - 1] = (tuple(answer.steps), caption)
+        if answer.summary:
+            self.plots.set_summary(answer.summary)
+            self.status_speed.setText(f"{answer.summary.tokens_per_s:.1f} tok/s")
+        self.plots.redraw()
+        self._set_busy(False)
+        self._refresh_conversations()
+        self.answer_finished.emit(message)
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _flush_now(self) -> None:
+        """Push buffered tokens and steps to the widgets (throttled to FLUSH_MS)."""
+        if self._pending:
+            self.chat.append_tokens(self._pending)
+            self._pending = []
+        if self._pending_steps:
+            last = self._pending_steps[-1]
+            self.plots.add_steps(self._pending_steps)
+            self._pending_steps = []
+            if last.elapsed_s > 0:
+                self.status_speed.setText(f"{last.new_tokens / last.elapsed_s:.1f} tok/s")
+
+    def _save_partial(self) -> None:
+        answer = self._answer
+        if answer is None or len(answer.tokens) == answer.saved_tokens:
+            return
+        text = "".join(t.text for t in answer.tokens)
+        self.history.update_message(answer.message_id, text, answer.tokens, answer.steps, complete=False)
+        answer.saved_tokens = len(answer.tokens)
+
+    def show_error(self, message: str) -> None:
+        self.error_banner.setText(message)
+        self.error_banner.show()
+
+    def _set_busy(self, busy: bool) -> None:
+        self.send_button.setEnabled(not busy)
+        self.stop_button.setEnabled(busy)
+        self.conversation_list.setEnabled(not busy)
+        self.busy_changed.emit(busy)
+
+    def _toggle_colours(self, hidden: bool) -> None:
+        self.chat.set_colours(not hidden)
+        self.compare.left.colours = self.compare.right.colours = not hidden
+
+    def _show_settings_in_status(self) -> None:
+        s = self.settings
+        self.status_method.setText(f"Method: {METHOD_LABELS[s.method]}")
+        self.status_k.setText(f"K = {s.k}")
+        self.status_k.setVisible(s.method != "ar")
+
+    def _show_answer_plots(self, index: int) -> None:
+        if index in self._answer_steps:
+            self.plots.set_steps(*self._answer_steps[index])
+
+    @staticmethod
+    def _show_report(dialog: SettingsDialog, info: LoadInfo) -> None:
+        if info.compat_ok is None:
+            dialog.show_report(True, (f"Loaded {info.description}.", "Single model: nothing to check."))
+        else:
+            dialog.show_report(info.compat_ok, info.compat_lines)
+
+    def _refresh_conversations(self) -> None:
+        self.conversation_list.blockSignals(True)
+        self.conversation_list.clear()
+        for conversation in self.history.conversations():
+            item = QListWidgetItem(conversation.title)
+            item.setData(Qt.ItemDataRole.UserRole, conversation.id)
+            item.setToolTip(conversation.title)
+            self.conversation_list.addItem(item)
+        self.conversation_list.blockSignals(False)
+        if self._conversation_id is not None:
+            self._select_in_list(self._conversation_id)
+
+    def _select_in_list(self, conversation_id: int) -> None:
+        self.conversation_list.blockSignals(True)
+        for row in range(self.conversation_list.count()):
+            item = self.conversation_list.item(row)
+            if item.data(Qt.ItemDataRole.UserRole) == conversation_id:
+                self.conversation_list.setCurrentItem(item)
+        self.conversation_list.blockSignals(False)
+
+    def _conversation_clicked(self, item: QListWidgetItem | None, _previous=None) -> None:
+        if item is not None:
+            self.open_conversation(item.data(Qt.ItemDataRole.UserRole))
+
+    def _conversation_menu(self, point) -> None:
+        item = self.conversation_list.itemAt(point)
+        if item is None or self.busy:
+            return
+        cid = item.data(Qt.ItemDataRole.UserRole)
+        menu = QMenu(self)
+        menu.addAction("Rename…", lambda: self._rename(cid, item.text()))
+        menu.addAction("Export as Markdown…", lambda: self._export(cid, "md"))
+        menu.addAction("Export as JSON…", lambda: self._export(cid, "json"))
+        menu.addSeparator()
+        menu.addAction("Delete", lambda: self.delete_conversation(cid))
+        menu.exec(self.conversation_list.mapToGlobal(point))
+
+    def _rename(self, cid: int, current: str) -> None:
+        title, ok = QInputDialog.getText(self, "Rename conversation", "Title:", text=current)
+        if ok and title.strip():
+            self.history.rename(cid, title.strip())
+            self._refresh_conversations()
+
+    def delete_conversation(self, cid: int) -> None:
+        self.history.delete(cid)
+        if cid == self._conversation_id:
+            self.new_conversation()
+        self._refresh_conversations()
+
+    def _export(self, cid: int, kind: str) -> None:
+        suffix = {"md": "Markdown (*.md)", "json": "JSON (*.json)"}[kind]
+        default = f"{_title_from(self.history.title(cid))}.{kind}"
+        path, _ = QFileDialog.getSaveFileName(self, "Export conversation", default, suffix)
+        if path:
+            text = self.history.export_markdown(cid) if kind == "md" else self.history.export_json(cid)
+            Path(path).write_text(text, encoding="utf-8")
+
+    def _qsettings(self) -> QSettings:
+        return QSettings(str(config_dir() / "window.ini"), QSettings.Format.IniFormat)
+
+    def _restore_geometry(self) -> None:
+        stored = self._qsettings()
+        geometry = stored.value("geometry")
+        if isinstance(geometry, QByteArray) and self.restoreGeometry(geometry):
+            splitter = stored.value("splitter")
+            if isinstance(splitter, QByteArray):
+                self.splitter.restoreState(splitter)
+        else:
+            self.resize(1440, 900)
+
+    def closeEvent(self, event) -> None:
+        if self._answer is not None:
+            self._answer.request.cancel.set()
+            self._save_partial()
+        self.compare.stop()
+        stored = self._qsettings()
+        stored.setValue("geometry", self.saveGeometry())
+        stored.setValue("splitter", self.splitter.saveState())
+        self._thread.stop()
+        super().closeEvent(event)
+
+
+def _title_from(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= 48 else line[:47] + "…"
+
+
+def _meta_line(settings: AppSettings, summary: Summary | None) -> str:
+    method = settings.method if settings.method == "ar" else f"{settings.method}, K={settings.k}"
+    parts = [method, f"T={settings.temperature:g}"]
+    if summary is not None:
+        parts += [f"{summary.new_tokens} tokens", f"{summary.tokens_per_s:.1f} tok/s"]
+        if summary.steps:
+            parts.append(f"τ {summary.mean_accepted_length:.2f}")
+    return " · ".join(parts)

@@ -1,0 +1,118 @@
+"""Plots fed by StepEvents; settings persistence, snapshots and the dialog."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from app.settings import CATALOG, AppSettings, SettingsDialog, SettingsStore, needs_reload
+from app.stats import diff_tokens, step_series
+from engine.events import StepEvent
+from engine.session import ModelSettings
+from tests.app_fixtures import app_dirs, make_window, send_and_wait, tiny_factory  # noqa: F401 (fixtures)
+
+
+def step(i: int, drafted: int, accepted: int, new_tokens: int, elapsed: float, k: int = 4) -> StepEvent:
+    return StepEvent(i, k, drafted, accepted, accepted + 1, 0.001, 0.002, new_tokens, elapsed)
+
+
+def test_step_series_statistics():
+    events = [step(0, 4, 4, 5, 0.5), step(1, 4, 1, 7, 1.0), step(2, 2, 0, 8, 2.0), step(3, 0, 0, 9, 2.5)]
+    s = step_series(events, window=2)
+    assert s.acceptance[:3] == (1.0, 0.25, 0.0) and math.isnan(s.acceptance[3])
+    assert s.rolling_acceptance[1] == pytest.approx(5 / 8)
+    assert s.per_position == pytest.approx((2 / 3, 1 / 3, 1 / 2, 1 / 2))
+    assert s.histogram == (1, 1, 0, 0, 1)  # the step with nothing drafted is not counted
+    assert s.mean_accepted_length[-1] == pytest.approx((5 + 2 + 1 + 1) / 4)
+    assert s.tokens_per_s[0] == pytest.approx(10.0)
+    assert s.tokens_per_s[3] == pytest.approx((9 - 7) / (2.5 - 1.0))
+
+
+def test_diff_tokens_marks_changes():
+    same = diff_tokens([1, 2, 3], [1, 2, 3])
+    assert same.identical and not same.right_changed and same.first_difference is None
+    diff = diff_tokens([1, 2, 3, 4], [1, 9, 3, 4])
+    assert not diff.identical and diff.left_changed == {1} and diff.right_changed == {1}
+    assert diff.first_difference == 1
+
+
+def test_plots_receive_points_and_reshow_an_earlier_answer(qtbot, make_window):
+    window = make_window(tiny_factory())
+    window.apply_settings(AppSettings(method="draft", draft="tiny", k=4, max_new_tokens=24))
+    send_and_wait(qtbot, window, "first")
+    first_steps = window.plots.steps
+    assert len(first_steps) >= 24 / 5 and sum(s.emitted for s in first_steps) == 24
+    x, y = window.plots._tau_curve.getData()
+    assert len(x) == len(first_steps) and np.all(y >= 1.0)
+    x, y = window.plots._acc_rolling.getData()
+    assert len(x) == len(first_steps) and np.all((y >= 0) & (y <= 1))
+    assert len(window.plots._speed_curve.getData()[0]) > 0
+    assert "tok/s" in window.plots.summary.text()
+
+    window.apply_settings(AppSettings(method="lookup", k=2, max_new_tokens=10))
+    send_and_wait(qtbot, window, "second")
+    assert window.plots.steps != first_steps
+    window._show_answer_plots(1)  # the first assistant message
+    assert window.plots.steps == first_steps
+
+
+def test_settings_round_trip_and_bad_file(app_dirs):
+    config, _ = app_dirs
+    store = SettingsStore()
+    assert store.path.parent == config
+    assert store.load() == AppSettings()
+    chosen = AppSettings(target="Qwen/Qwen2.5-1.5B-Instruct", method="draft", draft="Qwen/Qwen2.5-0.5B-Instruct",
+                         k=7, temperature=0.7, top_k=40, top_p=0.9, seed=123, max_new_tokens=64,
+                         device="cpu", dtype="float32")
+    store.save(chosen)
+    assert SettingsStore().load() == chosen
+    store.path.write_text("k = 99\nmethod = 'ar'\n")  # out of range: fall back, don't crash
+    assert store.load() == AppSettings()
+    store.path.write_text("not [ toml")
+    assert store.load() == AppSettings()
+    with pytest.raises(ValueError):
+        AppSettings(k=17)
+
+
+def test_generation_config_and_reload_rules():
+    s = AppSettings(method="draft", draft="d", k=5, temperature=0.5, seed=-1)
+    config = s.generation_config()
+    assert (config.method, config.k, config.sampling.temperature, config.seed) == ("draft", 5, 0.5, None)
+    assert s.generation_config("ar").method == "ar"
+    loaded = ModelSettings(target="t", draft="d")
+    assert not needs_reload(loaded, ModelSettings(target="t", draft=None))
+    assert needs_reload(loaded, ModelSettings(target="t", draft="other"))
+    assert needs_reload(loaded, ModelSettings(target="u"))
+    assert needs_reload(None, ModelSettings())
+
+
+def test_settings_apply_to_the_next_message_only(qtbot, make_window, app_dirs):
+    window = make_window(tiny_factory(step_delay_s=0.02))
+    window.apply_settings(AppSettings(method="draft", draft="tiny", k=4, max_new_tokens=30))
+    with qtbot.waitSignal(window.answer_finished, timeout=60_000) as first:
+        window.send_message("one")
+        qtbot.waitUntil(lambda: len(window.chat.live_tokens) > 0, timeout=30_000)
+        window.apply_settings(AppSettings(method="draft", draft="tiny", k=2, max_new_tokens=30))
+    first_steps = window._answer_steps[1][0]
+    assert max(s.k for s in first_steps) == 4  # k can shrink near max_new_tokens
+    assert "K=4" in first.args[0].meta
+    send_and_wait(qtbot, window, "two")
+    assert max(s.k for s in window.plots.steps) == 2
+    assert SettingsStore().load().k == 2  # persisted too
+
+
+def test_settings_dialog_round_trip_and_catalog(qtbot):
+    chosen = AppSettings(method="lookup", k=6, temperature=0.3, seed=5, max_new_tokens=100)
+    dialog = SettingsDialog(chosen)
+    qtbot.addWidget(dialog)
+    assert dialog.settings() == chosen
+    qwen = next(i for i, e in enumerate(CATALOG) if "Qwen2.5-7B" in e.target)
+    dialog.pair.setCurrentIndex(qwen)
+    dialog._apply_pair(qwen)
+    edited = dialog.settings()
+    assert (edited.target, edited.draft, edited.method) == (
+        "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", "draft")
+    dialog.show_report(False, ("vocabularies differ",))
+    assert "vocabularies differ" in dialog.report.toPlainText()

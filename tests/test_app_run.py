@@ -1,0 +1,137 @@
+"""Compare mode, Stop, load failures, and the headless entry point."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PySide6.QtGui import QImage
+
+from app.main import parse_args
+from app.settings import AppSettings
+from engine.session import EngineError
+from tests.app_fixtures import app_dirs, make_window, send_and_wait, tiny_factory  # noqa: F401 (fixtures)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_compare_fills_both_panes_and_reports_identical_at_temperature_zero(qtbot, make_window):
+    window = make_window(tiny_factory())
+    window.apply_settings(AppSettings(method="draft", draft="tiny", k=3, temperature=0.0, max_new_tokens=30))
+    with qtbot.waitSignal(window.compare.finished, timeout=60_000) as blocker:
+        window.run_compare("Count: one two three")
+    result = blocker.args[0]
+    left, right = window.compare.left, window.compare.right
+    assert len(left.tokens) == len(right.tokens) == 30
+    assert {t.source for t in left.tokens} == {"target"}
+    assert {t.source for t in right.tokens} - {"target"}  # drafted tokens appear on the right
+    assert left.view.toPlainText() == right.view.toPlainText() != ""
+    assert result.error == "" and result.diff is not None and result.diff.identical
+    assert result.baseline.method == "ar" and result.speculative.method == "draft"
+    assert result.speedup is not None and result.speedup > 0
+    assert "identical" in window.compare.result.text()
+
+
+def test_compare_marks_differences(qtbot, make_window):
+    from app.stats import diff_tokens
+
+    window = make_window(tiny_factory())
+    pane = window.compare.left
+    window.compare.left.reset()
+    from engine.events import TokenEvent
+
+    pane.append([TokenEvent(i, f"t{i} ", "target", i, 0, 0.5, None) for i in range(4)])
+    diff = diff_tokens([0, 1, 2, 3], [0, 1, 7, 3])
+    pane.mark(diff.left_changed)
+    from PySide6.QtGui import QTextCursor
+
+    cursor = QTextCursor(pane.view.document())
+    cursor.setPosition(len("t0 t1 ") + 1)
+    assert cursor.charFormat().underlineStyle().name == "WaveUnderline"
+    cursor.setPosition(1)
+    assert cursor.charFormat().underlineStyle().name == "NoUnderline"
+
+
+def test_stop_ends_generation_within_one_step(qtbot, make_window):
+    engines = []
+
+    def factory(settings, progress):
+        engine = tiny_factory(step_delay_s=0.05)(settings, progress)
+        engines.append(engine)
+        return engine
+
+    window = make_window(factory)
+    window.apply_settings(AppSettings(method="draft", draft="tiny", k=3, max_new_tokens=1000))
+    window.send_message("go on for a while")
+    qtbot.waitUntil(lambda: len(window.plots.steps) >= 3 or len(window._answer.steps) >= 3, timeout=30_000)
+    with qtbot.waitSignal(window.answer_finished, timeout=5_000) as blocker:
+        qtbot.mouseClick(window.stop_button, __import__("PySide6.QtCore").QtCore.Qt.MouseButton.LeftButton)
+    message = blocker.args[0]
+    assert engines[0].steps_after_cancel <= 1
+    assert 0 < len(message.tokens) < 1000
+    assert message.error == "(stopped)"
+    assert window.send_button.isEnabled() and not window.stop_button.isEnabled()
+
+
+def test_failed_load_shows_an_error_and_the_window_keeps_working(qtbot, make_window):
+    def factory(settings, progress):
+        if settings.target == "nowhere/nothing":
+            raise EngineError("Model 'nowhere/nothing' was not found on disk or in the cache.")
+        return tiny_factory()(settings, progress)
+
+    window = make_window(factory, settings=AppSettings(target="nowhere/nothing", method="lookup", max_new_tokens=6))
+    message = send_and_wait(qtbot, window, "hello?")
+    assert message.error and not message.tokens
+    assert window.error_banner.isVisible() and "not found" in window.error_banner.text()
+    assert window.status_model.text() == "Model failed to load"
+    assert window.send_button.isEnabled()
+
+    window.apply_settings(AppSettings(target="default", method="lookup", max_new_tokens=6))
+    message = send_and_wait(qtbot, window, "and now?")
+    assert message.error == "" and len(message.tokens) == 6
+    assert not window.error_banner.isVisible()
+    assert "tiny-target" in window.status_model.text()
+
+
+HEADLESS = (
+    "import sys; from app.main import main; from tests.app_fixtures import tiny_factory; "
+    "sys.exit(main(sys.argv[1:], engine_factory=tiny_factory()))"
+)
+
+
+@pytest.mark.parametrize("compare", [False, True])
+def test_headless_main_saves_a_screenshot_and_exits_zero(app_dirs, tmp_path, compare):
+    """The real entry point (qasync loop, flags) in its own process, on the tiny engine."""
+    out = tmp_path / "shot.png"
+    argv = ["--prompt", "one two three", "--method", "draft", "-k", "3", "--max-new-tokens", "24",
+            "--screenshot", str(out)]
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
+    run = subprocess.run(
+        [sys.executable, "-c", HEADLESS, *argv, *(["--compare"] if compare else [])],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert out.stat().st_size > 10_000
+    image = QImage(str(out))
+    assert image.width() >= 1200 and image.height() >= 800
+
+
+def test_headless_main_fails_with_a_message(app_dirs, tmp_path):
+    failing = HEADLESS.replace("tiny_factory()", "failing_factory()").replace("import tiny_factory", "import failing_factory")
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
+    run = subprocess.run(
+        [sys.executable, "-c", failing, "--prompt", "hi", "--screenshot", str(tmp_path / "x.png")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 1
+    assert "No such model" in run.stderr
+
+
+def test_parse_args():
+    args = parse_args(["--prompt", "hi", "--compare", "--screenshot", "x.png", "--method", "draft", "-k", "5"])
+    assert (args.prompt, args.compare, args.method, args.k) == ("hi", True, "draft", 5)
+    with pytest.raises(SystemExit):
+        parse_args(["-k", "40"])

@@ -1,0 +1,97 @@
+import json
+
+import pytest
+import torch
+
+from engine.cli import main
+from engine.models import ModelLoadError, check_pair, load_model
+from engine.session import Engine, EngineError
+from tests.tiny import loaded, tiny_llama, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tiny_llama(seed=0).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_cli_jsonl_output(model_folder, capsys):
+    rc = main(["generate", "--target", str(model_folder), "--prompt", "one two three one two",
+               "--method", "lookup", "-k", "3", "--max-new-tokens", "12", "--jsonl"])
+    assert rc == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    tokens, summary = lines[:-1], lines[-1]
+    assert len(tokens) == 12 and all(t["type"] == "token" for t in tokens)
+    assert {t["source"] for t in tokens} <= {"draft_accepted", "target_resampled", "bonus", "target"}
+    assert summary["type"] == "summary" and summary["new_tokens"] == 12
+    for key in ("steps", "drafted", "accepted", "mean_accepted_length", "tokens_per_s"):
+        assert key in summary
+    assert summary["mean_accepted_length"] == pytest.approx(12 / summary["steps"])
+
+
+def test_cli_draft_model_matches_plain(model_folder, capsys):
+    outputs = []
+    for extra in (["--method", "ar"], ["--draft", str(model_folder)]):
+        assert main(["generate", "--target", str(model_folder), "--prompt", "speculative decoding",
+                     "--max-new-tokens", "10", "--jsonl", *extra]) == 0
+        outputs.append([json.loads(x)["id"] for x in capsys.readouterr().out.splitlines()[:-1]])
+    assert outputs[0] == outputs[1]
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="No model at"):
+        load_model(str(tmp_path / "nowhere" / "model"))
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(str(tmp_path))
+
+
+def test_corrupt_model_is_a_clear_error(tmp_path, model_folder):
+    for item in model_folder.iterdir():
+        (tmp_path / item.name).write_bytes(item.read_bytes())
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 100)
+    with pytest.raises(ModelLoadError, match="Could not load"):
+        load_model(str(tmp_path))
+
+
+def test_cli_reports_load_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--target", str(tmp_path / "missing"), "--prompt", "hi"])
+    assert exit_info.value.code == 2
+    assert "No model at" in capsys.readouterr().err
+
+
+def test_incompatible_pair_is_refused_with_reasons():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    other = Tokenizer(models.BPE())
+    other.pre_tokenizer = pre_tokenizers.ByteLevel()
+    other.train_from_iterator(["completely different text " * 50],
+                              trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"], show_progress=False))
+    other_tok = PreTrainedTokenizerFast(tokenizer_object=other, eos_token="</s>")
+    draft = loaded(tiny_llama(seed=1, layers=1), "other-draft")
+    draft.tokenizer = other_tok
+    report = check_pair(loaded(tiny_llama(seed=0), "tiny-target"), draft)
+    assert not report.ok
+    assert any("Tokenizers differ in size" in line for line in report.lines)
+    with pytest.raises(EngineError, match="cannot draft for"):
+        Engine(loaded(tiny_llama(seed=0), "tiny-target"), draft)
+
+
+def test_padding_ids_are_never_sampled():
+    n_tokens = len(tiny_tokenizer())
+    target = tiny_llama(seed=0, vocab=n_tokens + 32)
+    with torch.no_grad():
+        target.lm_head.weight[n_tokens:] = 0.0
+        target.lm_head.bias = None
+        target.lm_head.weight[n_tokens:, 0] = 1e4  # padding rows would dominate if not masked
+    engine = Engine(loaded(target, "padded"), loaded(tiny_llama(seed=1, layers=1, vocab=n_tokens + 32), "d"))
+    assert engine.compatibility.ok and engine.compatibility.n_vocab == n_tokens
+    from engine.decode import GenerationConfig
+    from engine.sampling import SamplingParams
+
+    config = GenerationConfig(method="draft", max_new_tokens=30, sampling=SamplingParams(temperature=1.0), seed=0)
+    summary = list(engine.generate_ids([5, 6, 7], config))[-1]
+    assert max(summary.token_ids) < n_tokens

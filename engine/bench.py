@@ -1,12 +1,483 @@
-"""`speclens bench` (being written)."""
+"""`speclens bench`: every decoding method side by side, in one process, on the same prompts.
+
+Fairness rules:
+- Prompt-major, rotating order: prompt i runs every method, starting with method i mod M, after one
+  untimed warm-up run per method. Drift in machine speed (other processes, heat) hits all alike.
+- Prefill is excluded, the same way for all: ours time the forward of prompt[:-1] that fills the
+  cache and subtract it; for HF generate, the same forward is timed right before the call and
+  subtracted. What remains is one prompt token plus decoding. (HF assisted generation still
+  prefills its draft model inside the clock, ours outside: a small edge for ours, noted in settings.)
+- Same settings: greedy or the same temperature / top-k / top-p, same EOS ids, same chat template.
+- tokens/s of a method = all its new tokens / all its decode seconds, over every prompt.
+"""
+
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from engine.decode import GenerationConfig
+from engine.events import StepEvent, Summary
+from engine.sampling import SamplingParams
+
+HF_METHODS = ("hf_generate", "hf_assisted", "hf_lookup")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    category: str
+    turns: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    methods: tuple[str, ...] | None = None  # None: every method available; `ar` is always added
+    num_prompts: int | None = None  # None: all
+    max_new_tokens: int = 128
+    k: int = 4
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    warmup: bool = True
+    threads: int | str | None = None  # CPU threads: None leaves torch's choice; "auto" measures (see pick_threads)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One method on one prompt."""
+
+    method: str
+    prompt: int
+    category: str
+    tokens: tuple[int, ...]
+    seconds: float
+    steps: int | None  # target verify passes (ours); None for HF methods
+    position_drafted: tuple[int, ...] = ()
+    position_accepted: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class MethodResult:
+    tokens_per_s: float
+    speedup_vs_ar: float | None
+    tau: float | None  # mean accepted length, counting the correction/bonus token; None for HF
+    equal_to_ar: bool | None  # token-for-token equality with our `ar` at temperature 0, else None
+    per_position_acceptance: tuple[float, ...]
+    new_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    methods: dict[str, MethodResult]
+    categories: dict[str, dict[str, MethodResult]]
+    settings: dict
+    device: str
+    runs: tuple[Run, ...] = field(repr=False, default=())
+
+    def to_json(self) -> dict:
+        return {
+            "methods": {name: asdict(r) for name, r in self.methods.items()},
+            "categories": {c: {name: asdict(r) for name, r in rs.items()} for c, rs in self.categories.items()},
+            "settings": self.settings,
+            "device": self.device,
+        }
+
+
+# --- prompts ---------------------------------------------------------------------------------
+
+
+def bundled_prompts_path() -> Path:
+    return Path(str(resources.files("resources") / "prompts" / "bench.jsonl"))
+
+
+def load_prompts(path: str | Path | None = None) -> list[Prompt]:
+    """Prompts from a JSONL file of {"category", "turns": [...]} (Spec-Bench's format)."""
+    path = Path(path) if path else bundled_prompts_path()
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        record = json.loads(line)
+        turns = record.get("turns")
+        if not turns or not all(isinstance(t, str) for t in turns):
+            raise ValueError(f"{path}:{number}: expected a non-empty list of strings under 'turns'")
+        prompts.append(Prompt(str(record.get("category", "uncategorised")), tuple(turns)))
+    return prompts
+
+
+def select_prompts(prompts: Sequence[Prompt], n: int | None) -> list[Prompt]:
+    """The first n prompts taken round-robin over categories, so a small n still spans them all."""
+    if n is None or n >= len(prompts):
+        return list(prompts)
+    by_category: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_category.setdefault(p.category, []).append(p)
+    chosen: list[Prompt] = []
+    for i in range(max(len(q) for q in by_category.values())):
+        chosen += [q[i] for q in by_category.values() if i < len(q)]
+    return chosen[:n]
+
+
+# --- methods ---------------------------------------------------------------------------------
+
+
+def available_methods(engine) -> tuple[str, ...]:
+    hf = ("hf_generate", "hf_assisted", "hf_lookup") if engine.draft else ("hf_generate", "hf_lookup")
+    return ("ar", *hf, *(m for m in engine.methods if m != "ar"))
+
+
+def resolve_methods(engine, asked: Sequence[str] | None) -> tuple[str, ...]:
+    available = available_methods(engine)
+    if asked is None:
+        return available
+    unknown = [m for m in asked if m not in available]
+    if unknown:
+        raise ValueError(f"method(s) {', '.join(unknown)} not available here; choose from {', '.join(available)}")
+    return tuple(m for m in available if m == "ar" or m in asked)  # `ar` is the reference
+
+
+def run_ours(engine, method: str, ids: list[int], options: BenchOptions, seed: int, max_new: int) -> Run:
+    config = GenerationConfig(
+        method=method, k=options.k, sampling=options.sampling, max_new_tokens=max_new, seed=seed
+    )
+    engine.target_lm.reset()  # every run starts cold, like HF's
+    drafted: list[int] = []
+    accepted: list[int] = []
+    summary = None
+    for event in engine.generate_ids(ids, config):
+        if isinstance(event, StepEvent):
+            for i in range(event.drafted):
+                if i == len(drafted):
+                    drafted.append(0)
+                    accepted.append(0)
+                drafted[i] += 1
+                accepted[i] += i < event.accepted
+        elif isinstance(event, Summary):
+            summary = event
+    return Run(
+        method, -1, "", summary.token_ids, summary.elapsed_s - summary.prefill_s, summary.steps,
+        tuple(drafted), tuple(accepted),
+    )
+
+
+def run_hf(engine, method: str, ids: list[int], options: BenchOptions, seed: int, max_new: int) -> Run:
+    from transformers import DynamicCache
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    model = engine.target.model
+    device = engine.target.device
+    params = options.sampling
+    assistant: dict = {}
+    extra: dict = {}
+    if method == "hf_assisted":
+        assistant = {"assistant_model": engine.draft.model}
+        extra = dict(num_assistant_tokens=options.k, num_assistant_tokens_schedule="constant",
+                     assistant_confidence_threshold=0.0)
+    elif method == "hf_lookup":
+        extra = dict(prompt_lookup_num_tokens=options.k)
+    if not params.greedy:
+        # explicit, so HF's own defaults (top_k=50) never apply
+        extra |= dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    if params.repetition_penalty != 1.0:
+        extra |= dict(repetition_penalty=params.repetition_penalty)
+    eos = list(engine.eos_ids)
+    config = HFGenerationConfig(
+        max_new_tokens=max_new,
+        do_sample=not params.greedy,
+        eos_token_id=eos or None,
+        pad_token_id=eos[0] if eos else 0,
+        **extra,
+    )
+    input_ids = torch.tensor([ids], device=device)
+    with torch.inference_mode():
+        # HF generate cannot be timed without its prefill (assisted and prompt-lookup generation go
+        # wrong when handed a prefilled cache in transformers 5.24), so the same prefill of
+        # prompt[:-1] that ours excludes is timed right before and subtracted.
+        prefill_s = 0.0
+        if len(ids) > 1:
+            _sync(device)
+            start = time.perf_counter()
+            model(input_ids=input_ids[:, :-1], cache=DynamicCache(config=model.config), use_cache=True)
+            _sync(device)
+            prefill_s = time.perf_counter() - start
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        out = model.generate(input_ids, generation_config=config, **assistant)
+        _sync(device)
+        seconds = max(time.perf_counter() - start - prefill_s, 1e-9)
+    return Run(method, -1, "", tuple(out[0, len(ids):].tolist()), seconds, None)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def pick_threads(engine, ids: list[int], steps: int = 6) -> dict[int, float]:
+    """On CPU, time a few plain decoding steps at 1 .. all cores' torch threads and keep the fastest.
+
+    On a shared machine fewer threads can win by a lot (a preempted thread stalls every parallel
+    op), so this is measured at run time rather than assumed. Returns tokens/s per thread count.
+    """
+    if engine.target.device.type != "cpu":
+        return {}
+    rates = {}
+    for n in sorted({1, max(1, torch.get_num_threads()), max(1, os.cpu_count() or 1)}):
+        torch.set_num_threads(n)
+        run_ours(engine, "ar", ids, BenchOptions(), 0, 2)  # let the new thread pool settle
+        run = run_ours(engine, "ar", ids, BenchOptions(), 0, steps)
+        rates[n] = len(run.tokens) / run.seconds
+    torch.set_num_threads(max(rates, key=rates.get))
+    return rates
+
+
+def run_method(engine, method: str, ids: list[int], options: BenchOptions, seed: int, max_new: int) -> Run:
+    runner = run_hf if method in HF_METHODS else run_ours
+    return runner(engine, method, ids, options, seed, max_new)
+
+
+# --- the benchmark ---------------------------------------------------------------------------
+
+
+def run_bench(
+    engine,
+    prompts: Sequence[Prompt],
+    options: BenchOptions = BenchOptions(),
+    progress: bool = False,
+    settings: dict | None = None,
+) -> BenchReport:
+    """Run every method on every prompt (prompt-major, rotating order) and aggregate."""
+    from tqdm import tqdm
+
+    methods = resolve_methods(engine, options.methods)
+    prompts = select_prompts(prompts, options.num_prompts)
+    if not prompts:
+        raise ValueError("no prompts to run")
+    encoded = [engine.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in prompts]
+
+    threads = pick_threads(engine, encoded[0][:128]) if options.threads == "auto" else None
+    if isinstance(options.threads, int):
+        torch.set_num_threads(options.threads)
+    if options.warmup:
+        for method in methods:
+            run_method(engine, method, encoded[0], options, options.seed, min(16, options.max_new_tokens))
+
+    runs: list[Run] = []
+    bar = tqdm(total=len(prompts) * len(methods), file=sys.stderr, desc="bench", disable=not progress)
+    for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
+        r = i % len(methods)
+        for method in methods[r:] + methods[:r]:
+            bar.set_postfix_str(f"{prompt.category}: {method}")
+            run = run_method(engine, method, ids, options, options.seed + i, options.max_new_tokens)
+            runs.append(replace(run, prompt=i, category=prompt.category))
+            bar.update()
+    bar.close()
+
+    greedy = options.sampling.greedy
+    categories = {c: aggregate([r for r in runs if r.category == c], methods, greedy)
+                  for c in dict.fromkeys(p.category for p in prompts)}
+    all_settings = {
+        "target": engine.target.name,
+        "draft": engine.draft.name if engine.draft else None,
+        "methods": list(methods),
+        "num_prompts": len(prompts),
+        "max_new_tokens": options.max_new_tokens,
+        "k": options.k,
+        "temperature": options.sampling.temperature,
+        "top_k": options.sampling.top_k,
+        "top_p": options.sampling.top_p,
+        "seed": options.seed,
+        "warmup": options.warmup,
+        "turns": "first turn of each prompt, through the chat template",
+        "timing": "decode wall time per generation: wall time minus a timed target prefill of prompt[:-1] "
+        "(HF assisted generation also prefills its draft model, which stays inside its time)",
+        "torch": torch.__version__,
+        "transformers": _transformers_version(),
+        "threads": torch.get_num_threads(),
+        "threads_measured_tokens_per_s": threads if isinstance(threads, dict) else None,
+        **(settings or {}),
+    }
+    return BenchReport(aggregate(runs, methods, greedy), categories, all_settings,
+                       describe_device(engine.target.device), tuple(runs))
+
+
+def aggregate(runs: Sequence[Run], methods: Sequence[str], greedy: bool) -> dict[str, MethodResult]:
+    reference = {r.prompt: r.tokens for r in runs if r.method == "ar"}
+    ar_rate = _rate([r for r in runs if r.method == "ar"])
+    results = {}
+    for method in methods:
+        mine = [r for r in runs if r.method == method]
+        if not mine:
+            continue
+        new_tokens = sum(len(r.tokens) for r in mine)
+        seconds = sum(r.seconds for r in mine)
+        steps = sum(r.steps for r in mine) if all(r.steps is not None for r in mine) else None
+        depth = max(len(r.position_drafted) for r in mine)
+        drafted = [sum(r.position_drafted[i] for r in mine if i < len(r.position_drafted)) for i in range(depth)]
+        accepted = [sum(r.position_accepted[i] for r in mine if i < len(r.position_accepted)) for i in range(depth)]
+        rate = _rate(mine)
+        results[method] = MethodResult(
+            tokens_per_s=rate,
+            speedup_vs_ar=rate / ar_rate if ar_rate else None,
+            tau=new_tokens / steps if steps else None,
+            equal_to_ar=all(r.tokens == reference.get(r.prompt) for r in mine) if greedy else None,
+            per_position_acceptance=tuple(a / d for a, d in zip(accepted, drafted)),
+            new_tokens=new_tokens,
+            seconds=seconds,
+        )
+    return results
+
+
+def _rate(runs: Sequence[Run]) -> float:
+    seconds = sum(r.seconds for r in runs)
+    return sum(len(r.tokens) for r in runs) / seconds if seconds > 0 else 0.0
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (cuda)"
+    if device.type == "cpu":
+        return f"cpu: {platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    return device.type
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+# --- output ----------------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "-" if value is None else format(value, pattern)
+
+
+def markdown(report: BenchReport) -> str:
+    s = report.settings
+    lines = [
+        f"{s['target']}" + (f" + draft {s['draft']}" if s["draft"] else "")
+        + f" on {report.device}; {s['num_prompts']} prompts, max {s['max_new_tokens']} new tokens, "
+        f"K={s['k']}, temperature {s['temperature']}",
+        "",
+        "| method | tok/s | speedup vs ar | tau | equal to ar | acceptance by position | new tokens | seconds |",
+        "|---|---:|---:|---:|:---:|---|---:|---:|",
+    ]
+    for name, r in report.methods.items():
+        equal = {True: "yes", False: "NO", None: "-"}[r.equal_to_ar]
+        accept = " ".join(f"{a:.2f}" for a in r.per_position_acceptance) or "-"
+        lines.append(
+            f"| {name} | {r.tokens_per_s:.1f} | {_fmt(r.speedup_vs_ar, '.2f')}x | {_fmt(r.tau, '.2f')} | {equal} "
+            f"| {accept} | {r.new_tokens} | {r.seconds:.1f} |"
+        )
+    names = list(report.methods)
+    lines += [
+        "",
+        "| category | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
+    for category, results in report.categories.items():
+        cells = [
+            f"{results[n].tokens_per_s:.1f} ({_fmt(results[n].speedup_vs_ar, '.2f')}x"
+            + (f", tau {results[n].tau:.2f})" if results[n].tau is not None and n != "ar" else ")")
+            if n in results else "-"
+            for n in names
+        ]
+        lines.append(f"| {category} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_chart(report: BenchReport, path: str | Path) -> None:
+    """A PNG bar chart of tokens/s per method, drawn offscreen with pyqtgraph."""
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before Qt starts; no window is shown
+    import pyqtgraph as pg
+    from pyqtgraph.exporters import ImageExporter
+
+    pg.mkQApp()
+    names = list(report.methods)
+    rates = [report.methods[n].tokens_per_s for n in names]
+    colours = ["#888888" if n == "ar" else "#d08030" if n.startswith("hf_") else "#3070c0" for n in names]
+    plot = pg.PlotWidget(background="w")
+    plot.resize(max(480, 110 * len(names)), 420)
+    plot.addItem(pg.BarGraphItem(x=list(range(len(names))), height=rates, width=0.6, brushes=colours))
+    for x, (name, rate) in enumerate(zip(names, rates)):
+        speedup = report.methods[name].speedup_vs_ar
+        label = pg.TextItem(f"{rate:.1f}" + (f"\n{speedup:.2f}x" if speedup else ""), color="k", anchor=(0.5, 1))
+        label.setPos(x, rate)
+        plot.addItem(label)
+    plot.getAxis("bottom").setTicks([list(enumerate(names))])
+    plot.setLabel("left", "tokens / s")
+    plot.setTitle(f"{report.settings['target']}, {report.device}", color="k")
+    plot.setYRange(0, max(rates) * 1.2 if rates else 1)
+    ImageExporter(plot.plotItem).export(str(path))
+
+
+# --- command line ----------------------------------------------------------------------------
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument("--prompts", default=None,
+                        help="JSONL of {category, turns} (Spec-Bench format); default: the bundled set")
+    parser.add_argument("--num-prompts", type=int, default=None, help="prompts to run, spread over categories")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("-k", "--draft-length", dest="k", type=int, default=4, help="draft length K")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated subset, e.g. ar,hf_generate,lookup (ar always runs)")
+    parser.add_argument("--threads", default="auto",
+                        help="torch CPU threads: a number, or 'auto' to time 1..all cores first and keep the fastest")
+    parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run per method")
+    parser.add_argument("--json", default=None, help="write the results as JSON here")
+    parser.add_argument("--markdown", default=None, help="write the tables as Markdown here")
+    parser.add_argument("--chart", default=None, help="write a PNG bar chart here")
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    raise SystemExit("speclens bench is not available yet")
+def cmd_bench(args: argparse.Namespace, engine_factory: Callable | None = None) -> int:
+    from engine.cli import load_engine
+
+    try:
+        options = BenchOptions(
+            methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods else None,
+            num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens,
+            k=args.k,
+            sampling=SamplingParams(args.temperature, args.top_k, args.top_p),
+            seed=args.seed,
+            warmup=not args.no_warmup,
+            threads="auto" if args.threads == "auto" else int(args.threads),
+        )
+        GenerationConfig(k=options.k, max_new_tokens=options.max_new_tokens)  # validates both
+        prompts = load_prompts(args.prompts)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    engine = (engine_factory or load_engine)(args)
+    try:
+        report = run_bench(engine, prompts, options, progress=True,
+                           settings={"prompts": str(args.prompts or bundled_prompts_path().name)})
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    table = markdown(report)
+    print(table, end="")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    if args.chart:
+        write_chart(report, args.chart)
+    return 0

@@ -10,6 +10,45 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+
+class AppendLayer(DynamicLayer):
+    """A DynamicLayer that writes new keys and values into spare capacity.
+
+    DynamicLayer concatenates the whole cache with the new entries on every forward, an O(context)
+    copy per layer per step. Here keys/values are views of buffers that grow by doubling, so a step
+    copies only its new entries. Being views, DynamicLayer's crop (a slice) and length still apply,
+    and in-place writes through `keys`/`values` land in the buffers.
+    """
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.buffers = None
+        n = self.get_seq_length()
+        end = n + key_states.shape[-2]
+        if self.buffers is None or end > self.buffers[0].shape[-2]:
+            capacity = max(2 * end, 256)
+            grown = []
+            for old, new in ((self.keys, key_states), (self.values, value_states)):
+                buffer = new.new_empty(*new.shape[:-2], capacity, new.shape[-1])  # [B, H, capacity, D]
+                if n:
+                    buffer[..., :n, :] = old
+                grown.append(buffer)
+            self.buffers = tuple(grown)
+        keys, values = self.buffers
+        keys[..., n:end, :] = key_states
+        values[..., n:end, :] = value_states
+        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
+        return self.keys, self.values
+
+
+def new_cache(config) -> DynamicCache:
+    """HF's DynamicCache with its full-attention layers appending in place (other kinds unchanged)."""
+    cache = DynamicCache(config=config)
+    cache.layers = [AppendLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
 
 
 class CachedModel:
@@ -19,11 +58,16 @@ class CachedModel:
         # Logits are cut to the tokenizer's vocabulary so that padding ids are never sampled.
         self.n_vocab = n_vocab or model.config.get_text_config().vocab_size
         self.cached_ids: list[int] = []
-        self._cache = DynamicCache(config=model.config)
+        self._cache = new_cache(model.config)
+        # Opt-in for Medusa / EAGLE heads: final hidden states [n, H] of the positions the latest
+        # forward fed, the first at position hidden_start, linear up to hidden_end.
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None
+        self.hidden_start = self.hidden_end = 0
 
     def reset(self) -> None:
         self.cached_ids = []
-        self._cache = DynamicCache(config=self.model.config)
+        self._cache = new_cache(self.model.config)
 
     def common_prefix(self, ids: list[int]) -> int:
         n = min(len(ids), len(self.cached_ids))
@@ -66,6 +110,91 @@ class CachedModel:
             cache=self._cache,
             use_cache=True,
             logits_to_keep=n_logits,
+            output_hidden_states=self.keep_hidden,
         )
+        if self.keep_hidden:
+            self.hidden, self.hidden_start, self.hidden_end = out.hidden_states[-1][0], keep, len(ids)
         self.cached_ids.extend(new)
         return out.logits[0, -n_logits:, : self.n_vocab]
+
+    @torch.inference_mode()
+    def forward_tree(self, context: list[int], tree_tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """Logits [N, V] of every node of a token tree hung below context, in one forward.
+
+        tree_tokens[0] must equal context[-1] (the root). Node i attends to the context and to its
+        ancestors, at position len(context) - 1 + depth(i), through an explicit 4D mask. Afterwards
+        the cache holds context followed by the other N - 1 nodes, whose cached_ids are TREE_SLOT
+        (they are not a linear context) until `keep_tree_path` or a truncation removes them.
+        """
+        from engine.tree import node_depths, tree_attention  # tree.py builds on this module
+
+        if not context or tree_tokens[0] != context[-1]:
+            raise ValueError("the tree's root must be the last context token")
+        keep = min(self.common_prefix(context), len(context) - 1)
+        self.truncate(keep)
+        linear = context[keep:-1]  # context tokens the cache lacks, fed causally before the tree
+        n_lin, n_tree = len(linear), len(tree_tokens)
+        allowed = torch.zeros(n_lin + n_tree, keep + n_lin + n_tree, dtype=torch.bool)  # [Q, KV]
+        allowed[:, : keep + n_lin] = True
+        allowed[:n_lin, keep : keep + n_lin] = torch.ones(n_lin, n_lin, dtype=torch.bool).tril()
+        allowed[n_lin:, keep + n_lin :] = tree_attention(parents)
+        dtype = next(self.model.parameters()).dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        depths = torch.tensor(node_depths(parents))
+        position_ids = torch.cat([torch.arange(keep, keep + n_lin), keep + n_lin + depths])  # [Q]
+        out = self.model(
+            input_ids=torch.tensor([linear + tree_tokens], dtype=torch.long, device=self.device),
+            attention_mask=mask[None, None].to(self.device),  # [1, 1, Q, KV] additive
+            position_ids=position_ids[None].to(self.device),
+            cache=self._cache,
+            use_cache=True,
+            logits_to_keep=n_tree,
+            output_hidden_states=self.keep_hidden,
+        )
+        if self.keep_hidden:  # rows: the linear part, then one per tree node (only the root is linear)
+            self.hidden, self.hidden_start, self.hidden_end = out.hidden_states[-1][0], keep, len(context)
+        self.cached_ids.extend(linear + tree_tokens[:1] + [TREE_SLOT] * (n_tree - 1))
+        return out.logits[0, -n_tree:, : self.n_vocab]
+
+    @torch.inference_mode()
+    def keep_tree_path(self, tree_tokens: list[int], path: list[int]) -> None:
+        """After forward_tree: keep the root and the nodes of `path` (node indices, depth 1 down),
+        moving their keys and values into consecutive slots, and drop the rest of the tree."""
+        root = self._tree_root()
+        if any(not 0 < node < len(self.cached_ids) - root for node in path):
+            raise ValueError(f"path {path} is not inside the cached tree")
+        if path:
+            src = torch.tensor([root + node for node in path], device=self.device)
+            dst = torch.arange(root + 1, root + 1 + len(path), device=self.device)
+            for layer in self._cache.layers:
+                layer.keys[:, :, dst] = layer.keys[:, :, src]  # [B, H, len(path), D]
+                layer.values[:, :, dst] = layer.values[:, :, src]
+        drop = len(self.cached_ids) - (root + 1 + len(path))
+        if drop:
+            self._cache.crop(-drop)
+        self.cached_ids[root + 1 :] = [tree_tokens[node] for node in path]
+        if self.keep_hidden and self.hidden is not None and self.hidden_end == root + 1:
+            n_lin = root - self.hidden_start
+            rows = torch.tensor([n_lin + node for node in path], dtype=torch.long, device=self.device)
+            self.hidden = torch.cat([self.hidden[: n_lin + 1], self.hidden[rows]])
+            self.hidden_end = root + 1 + len(path)
+
+    def hidden_at(self, start: int, end: int) -> torch.Tensor | None:
+        """Final hidden states [end - start, H] of cached positions start..end-1, if the latest
+        forward kept them (keep_hidden) and they are still cached; else None."""
+        valid_end = min(self.hidden_end, len(self.cached_ids))
+        if self.hidden is None or not self.hidden_start <= start <= end <= valid_end:
+            return None
+        return self.hidden[start - self.hidden_start : end - self.hidden_start]
+
+    def _tree_root(self) -> int:
+        """Slot of the root of the tree held after forward_tree (the last non-TREE_SLOT slot)."""
+        slot = len(self.cached_ids) - 1
+        while slot >= 0 and self.cached_ids[slot] == TREE_SLOT:
+            slot -= 1
+        if slot < 0:
+            raise ValueError("no token tree in the cache")
+        return slot
+
+
+TREE_SLOT = -1  # cached_ids entry of a tree node that is not part of a linear context

@@ -1,4 +1,4 @@
-"""Command line: `speclens generate | bench | selftest | doctor`; no subcommand opens the window."""
+"""Command line: `speclens generate | bench | selftest | doctor | train-drafter`; no subcommand opens the window."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-SUBCOMMANDS = ("generate", "bench", "selftest", "doctor")
+SUBCOMMANDS = ("generate", "bench", "selftest", "doctor", "train-drafter")
 
 ANSI = {
     "draft_accepted": "\x1b[32m",  # green
@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text, coloured by token provenance")
     add_model_arguments(gen)
     add_sampling_arguments(gen)
-    gen.add_argument("--method", choices=["ar", "draft", "lookup"], default=None,
-                     help="ar: plain decoding; draft: a draft model; lookup: prompt lookup (default without --draft)")
+    gen.add_argument("--method", choices=["ar", "draft", "lookup", "tree"], default=None,
+                     help="ar: plain decoding; draft: a draft model; lookup: prompt lookup (default without --draft); "
+                          "tree: the draft model proposes a token tree (--k = depth)")
     gen.add_argument("--prompt", default=None, help="prompt text (default: read standard input)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -62,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_model_arguments(bench)
     add_bench_arguments(bench)
+
+    train = sub.add_parser("train-drafter", help="train EAGLE or Medusa heads for a target (self-distillation)")
+    from engine.train import add_train_arguments
+
+    add_train_arguments(train)
     return parser
 
 
@@ -73,7 +79,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return app_main(argv)
     args = build_parser().parse_args(argv)
     handler = {"generate": cmd_generate, "selftest": cmd_selftest, "doctor": cmd_doctor}.get(args.command)
-    if handler is None:
+    if args.command == "train-drafter":
+        from engine.train import cmd_train_drafter
+
+        handler = cmd_train_drafter
+    elif handler is None:
         from engine.bench import cmd_bench
 
         handler = cmd_bench
@@ -106,8 +116,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.sampling import SamplingParams
 
     method = args.method or ("draft" if args.draft else "lookup")
-    if method == "draft" and not args.draft:
-        print("error: --method draft needs --draft MODEL", file=sys.stderr)
+    if method in ("draft", "tree") and not args.draft:
+        print(f"error: --method {method} needs --draft MODEL", file=sys.stderr)
         return 2
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     try:

@@ -136,3 +136,117 @@ def run_selftest(
                 f"{len(ids)} tokens {'identical' if same else 'differ'}"
             )
     return SelftestReport(passed, tuple(lines))
+
+
+TreeVerifier = Callable[..., tuple[list[int], int]]
+TREE_DRAFT_MODES = ("independent", "without_replacement", "deterministic")
+
+
+def check_tree_exactness(
+    verify: TreeVerifier,
+    branching: tuple[int, ...] = (3, 2, 2),
+    draft_mode: str = "without_replacement",
+    vocab: int = 8,
+    classes: int = 4,
+    trials: int = 65_536,
+    seed: int = 0,
+    name: str = "verify_tree",
+    progress: Callable[[float], None] | None = None,
+) -> ExactnessResult:
+    """Exactness of a tree verifier: the emitted token at position j, given the path emitted so far,
+    must follow the target row of that path.
+
+    The tree is full, with branching[d] children per node at depth d. Target and draft distributions
+    depend on the token path: each path is mapped (at random) to one of `classes` rows per depth, so
+    the check is a per-position chi-square conditional on the path's row (pooling paths that share
+    a row is exact, as they share the distribution). Draft rows mix the target row with an unrelated
+    one, so acceptance is neither rare nor certain. draft_mode says how siblings are drawn from q:
+    i.i.d., without replacement, or deterministically as the top-k of q (verified as one-hot).
+    """
+    if draft_mode not in TREE_DRAFT_MODES:
+        raise ValueError(f"draft_mode must be one of {TREE_DRAFT_MODES}, got {draft_mode!r}")
+    gen = torch.Generator().manual_seed(seed)
+    depth = len(branching)
+    p_rows = random_rows((depth + 1) * classes, vocab, zeros=2, generator=gen)  # [(D+1)*R, V]
+    other = random_rows(depth * classes, vocab, zeros=2, generator=gen)  # [D*R, V]
+    q_rows = 0.5 * p_rows[: depth * classes] + 0.5 * other  # [D*R, V], row d*R + r for depth d
+    # class of a path of length d: table[d][code], code = sum(token_i * V**i)
+    p_class = [torch.randint(classes, (vocab**d,), generator=gen) + d * classes for d in range(depth + 1)]
+    q_class = [torch.randint(classes, (vocab**d,), generator=gen) + d * classes for d in range(depth)]
+
+    parents = [-1]
+    node_depth = [0]
+    levels = [[0]]
+    for d, b in enumerate(branching):
+        levels.append([])
+        for parent in levels[d]:
+            for _ in range(b):
+                levels[d + 1].append(len(parents))
+                parents.append(parent)
+                node_depth.append(d + 1)
+    n_nodes = len(parents)
+
+    tokens = torch.zeros(trials, n_nodes, dtype=torch.long)  # root token 0 in every trial
+    code = torch.zeros(trials, n_nodes, dtype=torch.long)  # path code of each node
+    p_index = torch.zeros(trials, n_nodes, dtype=torch.long)  # target row of each node
+    q_index = torch.zeros(trials, n_nodes, dtype=torch.long)  # draft row each node was drawn from
+    p_index[:, 0] = p_class[0][0]
+    for d, b in enumerate(branching):
+        for parent in levels[d]:
+            q_at_parent = q_class[d][code[:, parent]]  # [trials]
+            q = q_rows[q_at_parent]  # [trials, V]
+            if draft_mode == "deterministic":
+                drawn = q.topk(b, dim=-1).indices  # [trials, b]
+            else:
+                drawn = torch.multinomial(q, b, replacement=draft_mode == "independent", generator=gen)
+            kids = [n for n in levels[d + 1] if parents[n] == parent]
+            tokens[:, kids] = drawn
+            code[:, kids] = code[:, parent, None] + drawn * vocab**d
+            q_index[:, kids] = q_at_parent[:, None]
+            p_index[:, kids] = p_class[d + 1][code[:, kids]]
+
+    cells: list[int] = []  # (target row of the path so far) * V + emitted token, per emitted token
+    token_rows, p_index_rows = tokens.tolist(), p_index.tolist()
+    for t in range(trials):
+        draft_probs = None if draft_mode == "deterministic" else q_rows[q_index[t]]
+        path, nxt = verify(
+            p_rows[p_index[t]], draft_probs, tokens[t], parents, gen,
+            without_replacement=draft_mode == "without_replacement",
+        )
+        emitted = [token_rows[t][node] for node in path] + [nxt]
+        cells.extend(p_index_rows[t][node] * vocab + token for node, token in zip([0, *path], emitted))
+        if progress and t % 4096 == 0:
+            progress(t / trials)
+    counts = torch.bincount(torch.tensor(cells), minlength=p_rows.numel()).double().view(p_rows.shape)
+
+    reached = counts.sum(-1, keepdim=True)  # [(D+1)*R, 1]
+    expected = reached * p_rows
+    sigma = (expected * (1 - p_rows)).sqrt()
+    deviation = (counts - expected).abs()
+    max_sigma = float((deviation / sigma.clamp(min=1e-12)).where(expected > 0, torch.zeros(())).max())
+    within = bool((deviation <= 6 * sigma + 5).all())
+    p_values = [
+        _pooled_chi_square_p_value(counts[d * classes : (d + 1) * classes], expected[d * classes : (d + 1) * classes])
+        for d in range(depth + 1)
+        if reached[d * classes : (d + 1) * classes].sum() > 0
+    ]
+    impossible = int(counts[p_rows == 0].sum())
+    min_p = min(p_values)
+    passed = within and min_p > 1e-4 and impossible == 0
+    label = f"{name} [{draft_mode}, branching {'x'.join(map(str, branching))}]"
+    return ExactnessResult(label, trials, vocab, depth, max_sigma, min_p, impossible, passed)
+
+
+def _pooled_chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """Pearson's test over G independent groups at once: counts, expected [G, V]; each group that
+    was reached contributes (its cells with expected > 0) - 1 degrees of freedom."""
+    stat = torch.zeros((), dtype=torch.float64)
+    dof = 0
+    for c, e in zip(counts, expected):
+        cells = e > 0
+        if e.sum() <= 0:
+            continue
+        stat = stat + ((c[cells] - e[cells]) ** 2 / e[cells]).sum()
+        dof += int(cells.sum()) - 1
+    dof = max(dof, 1)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2.0))

@@ -27,6 +27,7 @@ from engine.models import (
     check_pair,
     load_model,
 )
+from engine.tree import DEFAULT_TREE_PATHS, DraftModelTreeDrafter, TreeDrafter, TreeShape
 
 
 class EngineError(RuntimeError):
@@ -55,9 +56,12 @@ class Engine:
         rows = target.model.config.get_text_config().vocab_size
         n_vocab = self.compatibility.n_vocab if self.compatibility else min(len(target.tokenizer), rows)
         self.target_lm = CachedModel(target.model, n_vocab)
-        self._drafters: dict[str, Drafter] = {"lookup": PromptLookupDrafter()}
+        self._drafters: dict[str, Drafter | TreeDrafter] = {"lookup": PromptLookupDrafter()}
         if draft is not None:
             self._drafters["draft"] = DraftModelDrafter(CachedModel(draft.model, n_vocab))
+            self._drafters["tree"] = DraftModelTreeDrafter(
+                CachedModel(draft.model, n_vocab), TreeShape.from_paths(DEFAULT_TREE_PATHS)
+            )
         self.eos_ids = _eos_ids(target)
 
     @classmethod
@@ -75,7 +79,7 @@ class Engine:
     def methods(self) -> tuple[str, ...]:
         return ("ar", *self._drafters)
 
-    def drafter(self, method: str) -> Drafter | None:
+    def drafter(self, method: str) -> Drafter | TreeDrafter | None:
         if method == "ar":
             return None
         if method not in self._drafters:

@@ -1,0 +1,110 @@
+"""Medusa-1 heads (Cai et al. 2024): extra decoding heads on the target's last hidden state.
+
+Head i (0-based) is a residual block x + SiLU(W x) (repeated medusa_num_layers times) followed by a
+vocabulary projection; from the hidden state at position t (whose own LM head gives token t+1) it
+predicts token t+2+i. Head i's top-r tokens become the candidates at tree depth i+1, the same for
+every node at that depth (heads do not see the tree path), so children are deterministic and are
+verified as one-hot drafts.
+
+Checkpoint layout (as published): config.json with medusa_num_heads, medusa_num_layers,
+base_model_name_or_path; weights in medusa_lm_head.pt (loaded with weights_only=True) or
+model.safetensors, keys "{head}.{layer}.linear.weight|bias" and "{head}.{medusa_num_layers}.weight".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.cache import CachedModel
+from engine.sampling import SamplingParams, process_logits
+from engine.tree import DraftTree, TreeShape, node_depths
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)  # starts as the identity, as in Medusa
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
+
+
+class MedusaHeads(nn.ModuleList):
+    def __init__(self, hidden: int, vocab: int, num_heads: int = 4, num_layers: int = 1):
+        super().__init__(
+            nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)], nn.Linear(hidden, vocab, bias=False))
+            for _ in range(num_heads)
+        )
+        self.config = {"medusa_num_heads": num_heads, "medusa_num_layers": num_layers, "hidden_size": hidden,
+                       "vocab_size": vocab}
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., num_heads, V]."""
+        return torch.stack([head(hidden) for head in self], dim=-2)
+
+    @classmethod
+    def load(cls, folder: str | Path, hidden: int, vocab: int) -> MedusaHeads:
+        folder = Path(folder)
+        config = json.loads((folder / "config.json").read_text())
+        heads = cls(hidden, vocab, config["medusa_num_heads"], config.get("medusa_num_layers", 1))
+        if (folder / "model.safetensors").exists():
+            from safetensors.torch import load_file
+
+            state = load_file(folder / "model.safetensors")
+        else:
+            state = torch.load(folder / "medusa_lm_head.pt", map_location="cpu", weights_only=True)
+        heads.load_state_dict(state)
+        heads.config.update({k: v for k, v in config.items() if k not in heads.config})
+        return heads.eval()
+
+    def save(self, folder: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(self.config, indent=2))
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, folder / "model.safetensors")
+
+
+class MedusaDrafter:
+    """Proposes a static tree from Medusa heads applied to the target's hidden state.
+
+    Reads the target's final hidden state at the last cached position (the target CachedModel is
+    switched to keep_hidden); with none available it proposes the root alone (a plain step).
+    """
+
+    def __init__(self, heads: MedusaHeads, target: CachedModel, shape: TreeShape, name: str = "medusa"):
+        self.heads = heads.to(target.device).eval()
+        self.target = target
+        self.shape = shape
+        self.name = name
+        target.keep_hidden = True
+
+    def prefill(self, ids: list[int]) -> None:
+        pass
+
+    def commit(self, ids: list[int]) -> None:
+        pass
+
+    @torch.inference_mode()
+    def propose_tree(
+        self, ids: list[int], depth: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> DraftTree:
+        shape = self.shape.truncated(min(depth, len(self.heads)))
+        hidden = self.target.hidden_at(len(ids) - 2, len(ids) - 1)  # [1, H]: its logits chose ids[-1]
+        if hidden is None:
+            return DraftTree(torch.tensor([ids[-1]], device=self.target.device), (-1,), None)
+        logits = self.heads(hidden[0].to(next(self.heads.parameters()).dtype))[:, : self.target.n_vocab]  # [heads, V]
+        history = torch.tensor(ids, device=logits.device)
+        scores = process_logits(logits.float(), params, history, history[:0])  # [heads, V]; ranks only
+        n_ranks = 1 + max(shape.ranks)
+        candidates = scores.topk(n_ranks, dim=-1).indices.tolist()  # [heads][ranks]
+        depths = node_depths(shape.parents)
+        tokens = [ids[-1]] + [candidates[depths[n] - 1][shape.ranks[n]] for n in range(1, len(shape.parents))]
+        return DraftTree(torch.tensor(tokens, device=self.target.device), shape.parents, None)

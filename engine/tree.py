@@ -1,0 +1,290 @@
+"""Token trees: structure, tree attention, static (Medusa-style) and dynamic (EAGLE-2-style) shapes,
+a draft-model tree drafter, and the tree speculative step.
+
+A tree is given by parent indices: node 0 is the root (the last committed token), parents[i] < i,
+and siblings are tried in index order. One target forward scores every node: each node attends to
+the committed prefix plus its own ancestors and sits at position (prefix length + depth), so its
+logits equal those of the plain model run on prefix + its ancestor path. After verification only
+the accepted path is kept in the KV cache (CachedModel.keep_tree_path).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from engine.cache import CachedModel
+from engine.sampling import SamplingParams, process_logits
+from engine.verify import tree_children, verify_tree, verify_tree_greedy
+
+# Medusa's small default-like shape: two candidates at depth 1, then mostly the top candidate.
+DEFAULT_TREE_PATHS: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0),
+)
+
+
+def node_depths(parents: Sequence[int]) -> list[int]:
+    depths = [0] * len(parents)
+    for node in range(1, len(parents)):
+        depths[node] = depths[parents[node]] + 1
+    return depths
+
+
+def ancestor_path(parents: Sequence[int], node: int) -> list[int]:
+    """Nodes from depth 1 down to `node` (the root excluded)."""
+    path = []
+    while node > 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def tree_attention(parents: Sequence[int]) -> torch.Tensor:
+    """[N, N] bool: row i is True at i and at every ancestor of i (what node i may attend to)."""
+    n = len(parents)
+    allowed = torch.eye(n, dtype=torch.bool)
+    for node in range(1, n):
+        allowed[node] |= allowed[parents[node]]
+    return allowed
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A static tree as Medusa writes it: index paths such as [[0], [1], [0, 0], [0, 1], [1, 0]].
+
+    Path (a, b) is the b-th best candidate below the a-th best candidate of the root. Nodes are
+    numbered breadth first (root = 0), so parents come before children and siblings by rank.
+    """
+
+    paths: tuple[tuple[int, ...], ...]  # node i > 0 is paths[i - 1]
+    parents: tuple[int, ...]  # [N]
+    ranks: tuple[int, ...]  # [N] candidate rank of each node below its parent (root: 0)
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[Sequence[int]]) -> TreeShape:
+        ordered = sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p))
+        if not ordered or any(len(p) == 0 or min(p) < 0 for p in ordered):
+            raise ValueError("a tree shape is a non-empty list of non-empty paths of ranks >= 0")
+        index = {(): 0}
+        parents, ranks = [-1], [0]
+        for path in ordered:
+            if path[:-1] not in index:
+                raise ValueError(f"path {list(path)} has no parent path {list(path[:-1])} in the shape")
+            index[path] = len(parents)
+            parents.append(index[path[:-1]])
+            ranks.append(path[-1])
+        for node, below in enumerate(tree_children(parents)):
+            # siblings are drawn in rank order; a missing rank would hide a draw from verification
+            if sorted(ranks[c] for c in below) != list(range(len(below))):
+                raise ValueError(f"the children of {list(ordered[node - 1]) if node else 'the root'} "
+                                 "must have ranks 0, 1, ... without gaps")
+        return cls(tuple(ordered), tuple(parents), tuple(ranks))
+
+    @property
+    def depth(self) -> int:
+        return max(len(p) for p in self.paths)
+
+    def truncated(self, depth: int) -> TreeShape:
+        return TreeShape.from_paths([p for p in self.paths if len(p) <= depth])
+
+
+def select_by_value(parents: Sequence[int], values: Sequence[float], budget: int) -> list[int]:
+    """EAGLE-2 reranking: the `budget` non-root nodes of highest value, as a sorted node list that
+    always includes the root and is closed under ancestors.
+
+    values are cumulative draft probabilities (product along the path), so a child never beats its
+    parent; ties are broken towards lower indices, which keeps parents ahead of their children.
+    """
+    order = sorted(range(1, len(parents)), key=lambda i: (-values[i], i))
+    kept = {0}
+    for node in order:
+        if len(kept) > budget:
+            break
+        if parents[node] in kept:
+            kept.add(node)
+    return sorted(kept)
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: torch.Tensor  # [N] long, node 0 = the last committed token
+    parents: tuple[int, ...]  # [N], parents[0] = -1, parents[i] < i
+    probs: torch.Tensor | None  # [N, V] q each node was drawn from at its parent; None: deterministic
+    without_replacement: bool = False  # siblings were sampled from q without replacement
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@runtime_checkable
+class TreeDrafter(Protocol):
+    name: str
+
+    def prefill(self, ids: list[int]) -> None: ...
+
+    def propose_tree(
+        self, ids: list[int], depth: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> DraftTree:
+        """A tree of depth <= depth below ids[-1]."""
+
+    def commit(self, ids: list[int]) -> None: ...
+
+
+def tree_scores(logits: torch.Tensor, params: SamplingParams, ids: list[int], tokens: list[int],
+                parents: Sequence[int]) -> torch.Tensor:
+    """Processed logits [N, V] of every node; row i sees the history ids + its ancestor path."""
+    device = logits.device
+    if params.repetition_penalty == 1.0:
+        # no history-dependent processing: one batched call (the block argument is unused)
+        return process_logits(logits, params, torch.tensor(ids, device=device),
+                              torch.zeros(len(tokens) - 1, dtype=torch.long, device=device))
+    rows = []
+    for node in range(len(tokens)):
+        history = torch.tensor(ids + [tokens[i] for i in ancestor_path(parents, node)], device=device)
+        rows.append(process_logits(logits[node : node + 1], params, history, history[:0]))
+    return torch.cat(rows)  # [N, V]
+
+
+class DraftModelTreeDrafter:
+    """A draft LM proposes a token tree, one draft forward per depth (tree attention over the
+    partial tree).
+
+    Static shape (Medusa-style ranks): at temperature 0 the children of a node are its top-r draft
+    tokens (deterministic, verified as one-hot); at temperature > 0 they are r draws without
+    replacement from the draft distribution. Dynamic (shape=None, EAGLE-2-style): at each depth the
+    `top_k` frontier nodes of highest cumulative draft probability get their top_k tokens as
+    children, then the `budget` best nodes are kept (deterministic children, verified as one-hot).
+    """
+
+    def __init__(self, model: CachedModel, shape: TreeShape | None = None, top_k: int = 3,
+                 budget: int = 16, name: str = "tree"):
+        self.lm = model
+        self.shape = shape
+        self.top_k = top_k
+        self.budget = budget
+        self.name = name
+
+    def prefill(self, ids: list[int]) -> None:
+        self.lm.prefill(ids)
+
+    def commit(self, ids: list[int]) -> None:
+        self.lm.truncate(self.lm.common_prefix(ids))
+
+    def propose_tree(
+        self, ids: list[int], depth: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> DraftTree:
+        if self.shape is None:
+            return self._dynamic(ids, depth, params)
+        return self._static(ids, self.shape.truncated(depth), params, generator)
+
+    def _draft_scores(self, ids: list[int], tokens: list[int], parents: list[int], nodes: list[int],
+                      params: SamplingParams) -> torch.Tensor:
+        """Processed draft logits [len(nodes), V] at the given nodes of the partial tree."""
+        logits = self.lm.forward_tree(ids, tokens, parents)  # [N, V]
+        return tree_scores(logits, params, ids, tokens, parents)[nodes]
+
+    def _static(self, ids: list[int], shape: TreeShape, params: SamplingParams,
+                generator: torch.Generator | None) -> DraftTree:
+        tokens, parents, rows = [ids[-1]], [-1], [None]
+        shape_to_tree = {0: 0}  # shape node -> tree node (a shape node may be dropped)
+        shape_children = tree_children(list(shape.parents))
+        shape_depth = node_depths(shape.parents)
+        for d in range(shape.depth):
+            expand = [s for s in shape_to_tree if shape_depth[s] == d and shape_children[s]]
+            if not expand:
+                break
+            scores = self._draft_scores(ids, tokens, parents, [shape_to_tree[s] for s in expand], params)
+            for s, score in zip(expand, scores):
+                q = score.softmax(-1)  # [V]
+                wanted = sorted(shape_children[s], key=lambda c: shape.ranks[c])
+                n = min(max(shape.ranks[c] for c in wanted) + 1, int((q > 0).sum()))
+                if params.greedy:
+                    candidates = score.topk(n).indices.tolist()
+                else:
+                    candidates = torch.multinomial(q, n, replacement=False, generator=generator).tolist()
+                for c in wanted:
+                    if shape.ranks[c] < n:
+                        shape_to_tree[c] = len(tokens)
+                        tokens.append(candidates[shape.ranks[c]])
+                        parents.append(shape_to_tree[s])
+                        rows.append(q)
+        return self._tree(tokens, parents, None if params.greedy else rows, without_replacement=True)
+
+    def _dynamic(self, ids: list[int], depth: int, params: SamplingParams) -> DraftTree:
+        tokens, parents, values = [ids[-1]], [-1], [1.0]
+        frontier = [0]
+        for _ in range(depth):
+            scores = self._draft_scores(ids, tokens, parents, frontier, params)
+            grown = []
+            for node, score in zip(frontier, scores):
+                q = score.softmax(-1)  # [V]
+                top = q.topk(min(self.top_k, int((q > 0).sum())))
+                for prob, token in zip(top.values.tolist(), top.indices.tolist()):
+                    grown.append(len(tokens))
+                    tokens.append(token)
+                    parents.append(node)
+                    values.append(values[node] * prob)
+            frontier = sorted(grown, key=lambda i: (-values[i], i))[: self.top_k]
+        kept = select_by_value(parents, values, self.budget)
+        new_index = {old: new for new, old in enumerate(kept)}
+        return self._tree(
+            [tokens[i] for i in kept], [new_index[parents[i]] if i else -1 for i in kept], None, False
+        )
+
+    def _tree(self, tokens: list[int], parents: list[int], rows: list | None, without_replacement: bool) -> DraftTree:
+        device = self.lm.device
+        probs = None
+        if rows is not None and len(tokens) > 1:
+            probs = torch.stack([torch.zeros_like(rows[1]), *rows[1:]])  # [N, V], row 0 unused
+        return DraftTree(torch.tensor(tokens, device=device), tuple(parents), probs, without_replacement)
+
+
+def tree_step(target: CachedModel, drafter: TreeDrafter, ids: list[int], depth: int,
+              params: SamplingParams, generator: torch.Generator | None):
+    """Draft a tree, verify it in one target forward, accept a path or resample, commit.
+
+    Returns engine.decode.StepResult with drafted = the depths tried along the verified path
+    (len(path) + 1 when the last accepted node had children, so accepted == drafted means bonus).
+    """
+    from engine.decode import StepResult  # decode.py dispatches here, so import it lazily
+
+    t0 = time.perf_counter()
+    tree = drafter.propose_tree(ids, depth, params, generator)
+    tokens = tree.tokens.tolist()
+    parents = list(tree.parents)
+    t1 = time.perf_counter()
+
+    logits = target.forward_tree(ids, tokens, parents)  # [N, V], one target pass
+    scores = tree_scores(logits, params, ids, tokens, parents)  # [N, V]
+    p_target = scores.softmax(-1)
+    tree_tokens = tree.tokens.to(target.device)
+    if params.greedy:
+        path, next_token = verify_tree_greedy(scores.argmax(-1), tree_tokens, parents)
+    else:
+        probs = None if tree.probs is None else tree.probs.to(target.device)
+        path, next_token = verify_tree(p_target, probs, tree_tokens, parents, generator, tree.without_replacement)
+    t2 = time.perf_counter()
+
+    target.keep_tree_path(tokens, path)  # the cache now holds ids + the accepted tokens
+    emitted = [tokens[node] for node in path] + [next_token]
+    drafter.commit(ids + emitted)
+
+    children = tree_children(parents)
+    last = path[-1] if path else 0
+    drafted = len(path) + (1 if children[last] else 0)
+    nodes = [0, *path]  # the node whose target row scored each emitted token
+    pt = [float(p_target[node, token]) for node, token in zip(nodes, emitted)]
+    pd: list[float | None] = []
+    for node, token in zip(nodes, emitted):
+        below = children[node]
+        if not below:
+            pd.append(None)
+        elif tree.probs is None:
+            pd.append(float(any(tokens[c] == token for c in below)))
+        else:
+            pd.append(float(tree.probs[below[0], token]))
+    return StepResult(emitted, drafted, len(path), pt, pd, t1 - t0, t2 - t1)

@@ -1,0 +1,121 @@
+import json
+
+import pytest
+
+from engine.bench import BenchOptions, Prompt, load_prompts, markdown, run_bench, select_prompts
+from engine.cache import CachedModel
+from engine.cli import build_parser
+from engine.decode import GenerationConfig, generate
+from engine.drafters.synthetic import SyntheticDrafter, greedy_reference
+from engine.events import StepEvent
+from engine.sampling import SamplingParams
+from tests.tiny import make_tiny_engine, tiny_llama, tiny_tokenizer
+
+PROMPTS = [
+    Prompt("copy", ("Repeat: one two three four five six one two three four",)),
+    Prompt("code", ("def add(a, b):\n    return a + b\n",)),
+    Prompt("copy", ("The capital of France is Paris. The capital of Italy is Rome.",)),
+]
+REQUIRED = {"tokens_per_s", "speedup_vs_ar", "tau", "equal_to_ar", "per_position_acceptance", "new_tokens", "seconds"}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return make_tiny_engine()
+
+
+@pytest.fixture(scope="module")
+def greedy_report(engine):
+    return run_bench(engine, PROMPTS, BenchOptions(max_new_tokens=20, k=3))
+
+
+def test_greedy_bench_runs_every_method_and_all_equal_ar(engine, greedy_report):
+    methods = greedy_report.methods
+    assert {"ar", "hf_generate", "hf_assisted", "hf_lookup"} <= set(methods)
+    assert set(engine.methods) <= set(methods)  # every method of ours, whatever engine.methods holds
+    for name, result in methods.items():
+        assert result.equal_to_ar is True, name
+        assert result.new_tokens == 20 * len(PROMPTS)
+        assert result.tokens_per_s > 0 and result.seconds > 0
+    assert methods["ar"].speedup_vs_ar == pytest.approx(1.0)
+    assert methods["ar"].tau == pytest.approx(1.0)
+    assert methods["hf_generate"].tau is None and methods["hf_generate"].per_position_acceptance == ()
+    assert methods["lookup"].tau >= 1.0 and 1 <= len(methods["lookup"].per_position_acceptance) <= 3
+    assert set(greedy_report.categories) == {"copy", "code"}
+    assert "| hf_generate |" in markdown(greedy_report)
+
+
+def test_runs_are_prompt_major_with_rotating_order(greedy_report):
+    methods = list(greedy_report.methods)
+    for i in range(len(PROMPTS)):
+        order = [r.method for r in greedy_report.runs if r.prompt == i]
+        r = i % len(methods)
+        assert order == methods[r:] + methods[:r]
+
+
+def test_json_has_the_documented_form(greedy_report, tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(greedy_report.to_json()))
+    data = json.loads(path.read_text())
+    assert set(data) == {"methods", "categories", "settings", "device"}
+    for result in data["methods"].values():
+        assert set(result) == REQUIRED
+    for per_method in data["categories"].values():
+        assert set(per_method["ar"]) == REQUIRED
+
+
+def test_sampling_bench_reports_no_equality(engine):
+    options = BenchOptions(methods=("hf_generate", "lookup"), max_new_tokens=8, k=2,
+                           sampling=SamplingParams(temperature=0.8, top_k=20), warmup=False)
+    report = run_bench(engine, PROMPTS[:2], options)
+    assert list(report.methods) == ["ar", "hf_generate", "lookup"]
+    assert all(r.equal_to_ar is None for r in report.methods.values())
+
+
+def test_unknown_method_is_refused(engine):
+    with pytest.raises(ValueError, match="not available"):
+        run_bench(engine, PROMPTS, BenchOptions(methods=("medusa",)))
+
+
+def test_cli_writes_json_markdown_and_chart(engine, tmp_path, capsys):
+    from engine.bench import cmd_bench
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"category": p.category, "turns": list(p.turns)}) + "\n" for p in PROMPTS))
+    out = {name: tmp_path / name for name in ("b.json", "b.md", "b.png")}
+    args = build_parser().parse_args([
+        "bench", "--prompts", str(prompts), "--num-prompts", "2", "--max-new-tokens", "6",
+        "--methods", "hf_generate,lookup", "--threads", "1", "--no-warmup",
+        "--json", str(out["b.json"]), "--markdown", str(out["b.md"]), "--chart", str(out["b.png"]),
+    ])
+    assert cmd_bench(args, engine_factory=lambda _: engine) == 0
+    data = json.loads(out["b.json"].read_text())
+    assert set(data["methods"]) == {"ar", "hf_generate", "lookup"}
+    assert data["methods"]["lookup"]["equal_to_ar"] is True
+    printed = capsys.readouterr().out
+    assert "| lookup |" in printed and printed == out["b.md"].read_text()
+    assert out["b.png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bundled_prompts_and_round_robin_selection():
+    prompts = load_prompts()
+    assert len(prompts) >= 20 and all(p.turns for p in prompts)
+    chosen = select_prompts(prompts, 5)
+    assert len({p.category for p in chosen}) == 5
+
+
+@pytest.mark.parametrize("acceptance", [0.5, 0.8])
+def test_synthetic_drafter_acceptance_is_close_to_a(acceptance):
+    model = tiny_llama(seed=0)
+    prompt = tiny_tokenizer()("one two three four five")["input_ids"]
+    n = 400
+    reference = greedy_reference(CachedModel(model), prompt, n)
+    drafter = SyntheticDrafter(reference, acceptance, vocab=model.config.vocab_size, seed=1)
+    events = list(generate(CachedModel(model), tiny_tokenizer(), prompt, GenerationConfig(k=4, max_new_tokens=n), drafter))
+    summary = events[-1]
+    assert list(summary.token_ids) == reference[len(prompt):]  # exact: drafts never change the output
+    # each drafted position up to the first rejection is one Bernoulli(a) trial
+    rejections = sum(1 for e in events if isinstance(e, StepEvent) and e.accepted < e.drafted)
+    measured = summary.accepted / (summary.accepted + rejections)
+    assert measured == pytest.approx(acceptance, abs=0.07)
+    assert summary.per_position_acceptance[0] == pytest.approx(acceptance, abs=0.1)

@@ -1,0 +1,185 @@
+import pytest
+import torch
+
+from engine.cache import CachedModel
+from engine.decode import GenerationConfig, generate
+from engine.drafters.eagle import EagleDrafter, EagleHead
+from engine.drafters.medusa import MedusaDrafter, MedusaHeads
+from engine.events import Summary, TokenEvent
+from engine.sampling import SamplingParams
+from engine.tree import TreeShape
+from tests.tiny import tiny_llama, tiny_tokenizer
+
+PROMPT = "one two three four five six one two three four"
+PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
+
+
+def _prompt_ids():
+    return tiny_tokenizer()(PROMPT)["input_ids"]
+
+
+def _run(target, drafter, config):
+    events = list(generate(target, tiny_tokenizer(), _prompt_ids(), config, drafter))
+    assert isinstance(events[-1], Summary)
+    return events, events[-1]
+
+
+def _hf_greedy(model, ids, n):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    return tiny_llama(seed=0)
+
+
+def _random_medusa(model, seed=3, num_heads=4):
+    torch.manual_seed(seed)
+    heads = MedusaHeads(model.config.hidden_size, model.config.vocab_size, num_heads=num_heads)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.5)
+    return heads
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_medusa_greedy_equality(target_model, k):
+    n = 40
+    reference = _hf_greedy(target_model, _prompt_ids(), n)
+    target = CachedModel(target_model)
+    drafter = MedusaDrafter(_random_medusa(target_model), target, TreeShape.from_paths(PATHS))
+    _, summary = _run(target, drafter, GenerationConfig(method="medusa", k=k, max_new_tokens=n))
+    assert list(summary.token_ids) == reference
+    assert summary.drafted > 0
+
+
+def test_medusa_sampling_runs_and_keeps_cache(target_model):
+    target = CachedModel(target_model)
+    drafter = MedusaDrafter(_random_medusa(target_model), target, TreeShape.from_paths(PATHS))
+    config = GenerationConfig(k=4, max_new_tokens=30, sampling=SamplingParams(temperature=0.8), seed=1)
+    events, summary = _run(target, drafter, config)
+    assert summary.new_tokens == 30
+    assert target.cached_ids == (_prompt_ids() + list(summary.token_ids))[: len(target.cached_ids)]
+    assert all(isinstance(e.p_target, float) for e in events if isinstance(e, TokenEvent))
+
+
+def test_medusa_save_load_roundtrip(tmp_path, target_model):
+    heads = _random_medusa(target_model, num_heads=2)
+    heads.save(tmp_path / "st")
+    loaded = MedusaHeads.load(tmp_path / "st", target_model.config.hidden_size, target_model.config.vocab_size)
+    x = torch.randn(3, target_model.config.hidden_size)
+    torch.testing.assert_close(loaded(x), heads(x))
+    # the published layout: config.json + medusa_lm_head.pt (a plain state dict)
+    (tmp_path / "pt").mkdir()
+    (tmp_path / "pt" / "config.json").write_text('{"medusa_num_heads": 2, "medusa_num_layers": 1}')
+    torch.save(heads.state_dict(), tmp_path / "pt" / "medusa_lm_head.pt")
+    assert set(heads.state_dict()) == {"0.0.linear.weight", "0.0.linear.bias", "0.1.weight",
+                                       "1.0.linear.weight", "1.0.linear.bias", "1.1.weight"}
+    loaded = MedusaHeads.load(tmp_path / "pt", target_model.config.hidden_size, target_model.config.vocab_size)
+    torch.testing.assert_close(loaded(x), heads(x))
+
+
+def _random_eagle(model, seed=4):
+    torch.manual_seed(seed)
+    head = EagleHead.for_target(model.config)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    return head
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_eagle_greedy_equality(target_model, k):
+    n = 40
+    reference = _hf_greedy(target_model, _prompt_ids(), n)
+    for shape in (None, TreeShape.from_paths(PATHS)):
+        target = CachedModel(target_model)
+        drafter = EagleDrafter(_random_eagle(target_model), target, shape, top_k=3, budget=10)
+        _, summary = _run(target, drafter, GenerationConfig(method="eagle", k=k, max_new_tokens=n))
+        assert list(summary.token_ids) == reference
+        assert summary.drafted > 0
+
+
+def test_eagle_features_follow_the_committed_tokens(target_model):
+    target = CachedModel(target_model)
+    drafter = EagleDrafter(_random_eagle(target_model), target, None, top_k=2, budget=6)
+    config = GenerationConfig(k=3, max_new_tokens=25, sampling=SamplingParams(temperature=1.0), seed=2)
+    _, summary = _run(target, drafter, config)
+    ids = _prompt_ids() + list(summary.token_ids)
+    # features of every committed position equal a fresh target pass over the committed tokens
+    with torch.inference_mode():
+        fresh = target_model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+    n = drafter.features.shape[0]
+    assert drafter.feature_ids == ids[:n] and n >= len(ids) - 5
+    torch.testing.assert_close(drafter.features, fresh[:n], atol=1e-4, rtol=1e-4)
+
+
+def test_eagle_save_load_roundtrip(tmp_path, target_model):
+    head = _random_eagle(target_model)
+    head.save(tmp_path / "eagle")
+    loaded = EagleHead.load(tmp_path / "eagle")
+    h = target_model.config.hidden_size
+    x, f = torch.randn(5, h), torch.randn(5, h)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x, f, torch.arange(5), mask), head(x, f, torch.arange(5), mask))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_train_drafter_end_to_end_on_a_tiny_target(tmp_path, target_model, kind):
+    import json
+
+    from engine.cli import main
+
+    model_dir = tmp_path / "tiny-target"
+    target_model.save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"instruction": f"Count to {i}.", "instances": [{"input": "one two", "output": ""}]} for i in range(8)]
+    prompts.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "heads"
+    args = ["train-drafter", "--kind", kind, "--target", str(model_dir), "--prompts", str(prompts), "--out", str(out),
+            "--max-prompts", "5", "--held-out", "2", "--answer-tokens", "6", "--epochs", "2", "--eval-tokens", "8",
+            "--depth", "3", "--medusa-heads", "2"]
+    assert main(args) == 0
+    for name in ("config.json", "model.safetensors", "README.md", "checkpoint.pt", "distilled.pt"):
+        assert (out / name).exists(), name
+    record = json.loads((out / "training.json").read_text())
+    assert len(record["history"]) == 2 and record["tau"]["tau"] >= 1.0
+    assert "tau on held-out prompts" in (out / "README.md").read_text()
+    # a rerun resumes: nothing left to distil or train, same weights
+    before = (out / "model.safetensors").read_bytes()
+    assert main(args) == 0
+    assert (out / "model.safetensors").read_bytes() == before
+
+
+def test_eagle_tree_features_equal_linear_runs_along_each_path(target_model):
+    from engine.tree import ancestor_path
+
+    head = _random_eagle(target_model)
+    target = CachedModel(target_model)
+    ids = _prompt_ids()
+    target.prefill(ids)
+    drafter = EagleDrafter(head, target, TreeShape.from_paths(PATHS))
+    tree = drafter.propose_tree(ids, 4, SamplingParams(), None)
+    tokens, parents = tree.tokens.tolist(), list(tree.parents)
+    embed = target_model.get_input_embeddings()
+    features = drafter.features  # [L-1, H]
+    with torch.inference_mode():
+        for node in range(len(tokens)):
+            if node not in drafter._f_hat:
+                continue  # leaves are never expanded, so their features are not computed
+            # linear EAGLE: context inputs (f_i, t_{i+1}), then (f_hat(parent), x) along the path
+            f_hat = None
+            path = ancestor_path(parents, node)
+            for depth in range(len(path) + 1):
+                f_in = [features] + ([torch.stack(steps)] if depth else [])
+                x_ids = ids[1:] + [tokens[m] for m in path[:depth]]
+                f = torch.cat(f_in)
+                n = f.shape[0]
+                out = head(embed(torch.tensor(x_ids)), f, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
+                f_hat = out[-1]
+                steps = (steps if depth else []) + [f_hat]
+            torch.testing.assert_close(drafter._f_hat[node], f_hat, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,284 @@
+import pytest
+import torch
+from transformers import DynamicCache
+
+import engine.verify
+from engine.cache import TREE_SLOT, CachedModel
+from engine.decode import GenerationConfig, generate
+from engine.events import StepEvent, Summary, TokenEvent
+from engine.sampling import SamplingParams
+from engine.selftest import check_tree_exactness
+from engine.tree import (
+    DraftModelTreeDrafter,
+    TreeShape,
+    ancestor_path,
+    node_depths,
+    select_by_value,
+    tree_attention,
+)
+from engine.verify import verify_tree, verify_tree_greedy
+from tests.tiny import tiny_llama, tiny_tokenizer
+
+PROMPT = "one two three four five six one two three four"
+MEDUSA_PATHS = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+# --- exact multi-candidate verification ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mode, branching",
+    [("independent", (3, 2, 2)), ("without_replacement", (2, 3, 2)), ("deterministic", (3, 3))],
+)
+def test_verify_tree_is_exact(mode, branching):
+    result = check_tree_exactness(verify_tree, branching=branching, draft_mode=mode, trials=65_536, seed=1)
+    assert result.passed, result.describe()
+
+
+def _keep_target_row(p_target, p_draft):
+    return p_target
+
+
+def _softmax_residual(p_target, p_draft):
+    return (p_target - p_draft).clamp(min=0).softmax(-1)
+
+
+def _unclamped_residual(p_target, p_draft):
+    return (p_target - p_draft).abs() / (p_target - p_draft).abs().sum()
+
+
+@pytest.mark.parametrize("residual", [_keep_target_row, _softmax_residual, _unclamped_residual],
+                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("mode", ["independent", "deterministic"])
+def test_exactness_check_rejects_broken_sibling_residual(monkeypatch, residual, mode):
+    # _keep_target_row: p is not updated after a sibling is rejected.
+    monkeypatch.setattr(engine.verify, "_residual", residual)
+    result = check_tree_exactness(verify_tree, branching=(3, 2), draft_mode=mode, trials=8192, seed=2)
+    assert not result.passed, result.describe()
+
+
+def test_exactness_check_rejects_ignoring_draws_without_replacement():
+    def siblings_as_iid(*args, without_replacement=False, **kwargs):
+        return verify_tree(*args, without_replacement=False, **kwargs)
+
+    result = check_tree_exactness(siblings_as_iid, branching=(3, 2), draft_mode="without_replacement",
+                                  trials=8192, seed=2)
+    assert not result.passed, result.describe()
+
+
+def test_deterministic_siblings_hand_computed():
+    # Root row p = (0.5, 0.3, 0.2); one-hot children tokens 0 then 1 (both leaves).
+    # P(accept 0) = 0.5; else p -> (0, 0.6, 0.4): P(accept 1) = 0.3; else emit token 2.
+    p_target = torch.tensor([[0.5, 0.3, 0.2], [1.0, 0, 0], [0, 0, 1.0]], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    outcomes = []
+    for _ in range(6000):
+        path, token = verify_tree(p_target, None, torch.tensor([9, 0, 1]), [-1, 0, 0], gen)
+        outcomes.append((tuple(path), token))
+    share = {key: outcomes.count(key) / len(outcomes) for key in set(outcomes)}
+    assert set(share) == {((1,), 0), ((2,), 2), ((), 2)}
+    assert share[((1,), 0)] == pytest.approx(0.5, abs=0.03)  # accepted child 1, bonus from its row
+    assert share[((2,), 2)] == pytest.approx(0.3, abs=0.03)
+    assert share[((), 2)] == pytest.approx(0.2, abs=0.03)
+
+
+def test_tree_shape_errors():
+    with pytest.raises(ValueError):
+        verify_tree(torch.ones(3, 4) / 4, None, torch.tensor([0, 1]), [-1, 0])
+    with pytest.raises(ValueError):
+        verify_tree(torch.ones(2, 4) / 4, None, torch.tensor([0, 1]), [-1, 1])  # parent after child
+    with pytest.raises(ValueError):
+        TreeShape.from_paths([[0], [0, 1]])  # rank 1 without rank 0
+    with pytest.raises(ValueError):
+        TreeShape.from_paths([[1, 0], [0]])  # no path [1]
+
+
+def test_greedy_tree_verification():
+    # root -> (5, 6); 5 -> (7,); 6 -> (8,)
+    parents = [-1, 0, 0, 1, 2]
+    tokens = torch.tensor([0, 5, 6, 7, 8])
+    assert verify_tree_greedy(torch.tensor([6, 0, 8, 0, 3]), tokens, parents) == ([2, 4], 3)
+    assert verify_tree_greedy(torch.tensor([5, 9, 8, 0, 3]), tokens, parents) == ([1], 9)
+    assert verify_tree_greedy(torch.tensor([4, 9, 8, 0, 3]), tokens, parents) == ([], 4)
+
+
+# --- tree structure ----------------------------------------------------------------------------
+
+
+def test_static_shape_from_paths():
+    shape = TreeShape.from_paths(MEDUSA_PATHS)
+    assert shape.parents == (-1, 0, 0, 1, 1, 2, 3)
+    assert shape.ranks == (0, 0, 1, 0, 1, 0, 0)
+    assert shape.depth == 3
+    assert shape.truncated(1).parents == (-1, 0, 0)
+    assert node_depths(shape.parents) == [0, 1, 1, 2, 2, 2, 3]
+    assert ancestor_path(shape.parents, 6) == [1, 3, 6]
+    mask = tree_attention(shape.parents)
+    assert mask[6].tolist() == [True, True, False, True, False, False, True]
+    assert mask.sum() == sum(d + 1 for d in node_depths(shape.parents))
+
+
+def test_dynamic_selection_keeps_best_ancestor_closed_nodes():
+    parents = [-1, 0, 0, 1, 1, 2, 3]
+    values = [1.0, 0.6, 0.3, 0.5, 0.05, 0.29, 0.45]
+    assert select_by_value(parents, values, budget=4) == [0, 1, 2, 3, 6]
+    assert select_by_value(parents, values, budget=2) == [0, 1, 3]
+    # a child that ties with its parent stays behind it
+    assert select_by_value([-1, 0, 1], [1.0, 0.5, 0.5], budget=1) == [0, 1]
+
+
+# --- one target forward over a tree -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    return tiny_llama(seed=0)
+
+
+def _random_tree(gen, vocab, shape):
+    tokens = torch.randint(vocab, (len(shape.parents),), generator=gen).tolist()
+    return tokens, list(shape.parents)
+
+
+def _plain_logits(model, ids):
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+def _assert_cache_matches_fresh_prefill(model, lm: CachedModel):
+    fresh = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([lm.cached_ids]), cache=fresh, use_cache=True)
+    for ours, ref in zip(lm._cache.layers, fresh.layers):
+        assert ours.keys.shape == ref.keys.shape
+        torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("warm", [False, True])
+def test_tree_logits_equal_plain_model_on_each_path(target_model, attn, warm):
+    original = target_model.config._attn_implementation
+    target_model.config._attn_implementation = attn
+    try:
+        gen = torch.Generator().manual_seed(0)
+        vocab = target_model.config.vocab_size
+        ids = tiny_tokenizer()(PROMPT)["input_ids"]
+        lm = CachedModel(target_model)
+        if warm:
+            lm.prefill(ids[:5])  # part of the context is cached, the rest is fed with the tree
+        shape = TreeShape.from_paths(MEDUSA_PATHS + [[2], [0, 0, 0, 0], [0, 0, 1]])
+        tokens, parents = _random_tree(gen, vocab, shape)
+        tokens[0] = ids[-1]
+        logits = lm.forward_tree(ids, tokens, parents)  # [N, V]
+        assert lm.cached_ids == ids + [TREE_SLOT] * (len(tokens) - 1)
+        for node in range(len(tokens)):
+            path_tokens = [tokens[i] for i in ancestor_path(parents, node)]
+            expected = _plain_logits(target_model, ids + path_tokens)
+            torch.testing.assert_close(logits[node], expected, atol=1e-4, rtol=1e-4)
+    finally:
+        target_model.config._attn_implementation = original
+
+
+def test_keeping_a_path_equals_fresh_prefill(target_model):
+    gen = torch.Generator().manual_seed(1)
+    vocab = target_model.config.vocab_size
+    shape = TreeShape.from_paths(MEDUSA_PATHS + [[2], [0, 0, 0, 0], [1, 0, 0], [0, 2]])
+    ids = tiny_tokenizer()(PROMPT)["input_ids"]
+    lm = CachedModel(target_model)
+    lm.prefill(ids)
+    for round_ in range(40):
+        tokens, parents = _random_tree(gen, vocab, shape)
+        tokens[0] = ids[-1]
+        lm.forward_tree(ids, tokens, parents)
+        leaf = int(torch.randint(len(tokens), (), generator=gen))
+        path = ancestor_path(parents, leaf)[: int(torch.randint(4, (), generator=gen))]
+        lm.keep_tree_path(tokens, path)
+        ids = ids + [tokens[i] for i in path] + [int(torch.randint(vocab, (), generator=gen))]
+        assert lm.cached_ids == ids[:-1]
+        if round_ % 10 == 9:
+            _assert_cache_matches_fresh_prefill(target_model, lm)
+    # a plain forward after tree steps continues the same cache correctly
+    torch.testing.assert_close(lm.forward(ids, [], 1)[0], _plain_logits(target_model, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_truncate_discards_an_unkept_tree(target_model):
+    ids = tiny_tokenizer()(PROMPT)["input_ids"]
+    lm = CachedModel(target_model)
+    lm.prefill(ids)
+    shape = TreeShape.from_paths(MEDUSA_PATHS)
+    tokens = [ids[-1]] + [3] * (len(shape.parents) - 1)
+    lm.forward_tree(ids, tokens, list(shape.parents))
+    lm.truncate(lm.common_prefix(ids))  # what a drafter's commit does
+    assert lm.cached_ids == ids
+    torch.testing.assert_close(lm.forward(ids, [7], 1)[0], _plain_logits(target_model, ids + [7]), atol=1e-4, rtol=1e-4)
+
+
+# --- tree decoding end to end -------------------------------------------------------------------
+
+
+def _prompt_ids():
+    return tiny_tokenizer()(PROMPT)["input_ids"]
+
+
+def _run(target, drafter, config, eos_ids=()):
+    events = list(generate(target, tiny_tokenizer(), _prompt_ids(), config, drafter, eos_ids))
+    assert isinstance(events[-1], Summary)
+    return events, events[-1]
+
+
+def _hf_greedy(model, ids, n):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def draft_model():
+    return tiny_llama(seed=1, layers=1)
+
+
+def _tree_drafters(draft_model):
+    return [
+        DraftModelTreeDrafter(CachedModel(draft_model), TreeShape.from_paths(MEDUSA_PATHS)),
+        DraftModelTreeDrafter(CachedModel(draft_model), None, top_k=3, budget=10),
+    ]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_tree_greedy_equality(target_model, draft_model, k):
+    n = 40
+    reference = _hf_greedy(target_model, _prompt_ids(), n)
+    for drafter in _tree_drafters(draft_model):
+        _, summary = _run(CachedModel(target_model), drafter, GenerationConfig(k=k, max_new_tokens=n))
+        assert list(summary.token_ids) == reference
+        assert summary.drafted > 0
+
+
+def test_tree_with_draft_equal_to_target_accepts_full_depth(target_model):
+    for drafter in _tree_drafters(target_model):
+        events, summary = _run(CachedModel(target_model), drafter, GenerationConfig(k=3, max_new_tokens=41))
+        assert summary.accepted == summary.drafted > 0
+        sources = {e.source for e in events if isinstance(e, TokenEvent)}
+        assert sources <= {"draft_accepted", "bonus", "target"}  # "target": the last, undrafted step
+        assert summary.mean_accepted_length == pytest.approx(41 / summary.steps)
+        assert summary.mean_accepted_length > 3.0  # depth 3: up to 4 tokens per step
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_tree_steps_keep_caches_committed_and_events_consistent(target_model, draft_model, temperature):
+    for drafter in _tree_drafters(draft_model):
+        target = CachedModel(target_model)
+        config = GenerationConfig(k=3, max_new_tokens=37, sampling=SamplingParams(temperature=temperature), seed=5)
+        events, summary = _run(target, drafter, config)
+        tokens = [e for e in events if isinstance(e, TokenEvent)]
+        steps = [e for e in events if isinstance(e, StepEvent)]
+        assert summary.new_tokens == len(tokens) == 37
+        assert sum(s.emitted for s in steps) == 37 and len(steps) == summary.steps
+        assert target.cached_ids == _prompt_ids() + list(summary.token_ids)[: len(target.cached_ids) - len(_prompt_ids())]
+        for t in tokens:
+            assert 0.0 <= t.p_target <= 1.0
+            if t.source == "draft_accepted":
+                assert t.p_draft is not None and t.p_target > 0
+            if t.source == "bonus":
+                assert t.p_draft is None
+        _assert_cache_matches_fresh_prefill(target_model, target)

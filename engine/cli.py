@@ -20,7 +20,9 @@ RESET = "\x1b[0m"
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default", help="'default', a model folder, a .gguf file or a hub id")
-    parser.add_argument("--draft", default=None, help="draft model (folder, .gguf or hub id) for --method draft")
+    parser.add_argument("--draft", default=None, help="draft model (folder, .gguf or hub id) for --method draft/tree")
+    parser.add_argument("--drafter", action="append", default=[], metavar="DIR",
+                        help="folder of trained EAGLE or Medusa heads (repeatable); the default target ships its own")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--trust-remote-code", action="store_true", help="run model code from the model's repo")
@@ -43,9 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text, coloured by token provenance")
     add_model_arguments(gen)
     add_sampling_arguments(gen)
-    gen.add_argument("--method", choices=["ar", "draft", "lookup", "tree"], default=None,
-                     help="ar: plain decoding; draft: a draft model; lookup: prompt lookup (default without --draft); "
-                          "tree: the draft model proposes a token tree (--k = depth)")
+    gen.add_argument("--method", default=None,
+                     help="ar (plain), lookup (prompt lookup), draft / tree (a --draft model), eagle / eagle_chain / "
+                          "medusa (trained heads); default: the best the loaded models offer")
     gen.add_argument("--prompt", default=None, help="prompt text (default: read standard input)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -102,7 +104,8 @@ def stderr_progress(message: str, fraction: float | None) -> None:
 def load_engine(args: argparse.Namespace):
     from engine.session import Engine, EngineError, ModelSettings
 
-    settings = ModelSettings(args.target, args.draft, args.device, args.dtype, args.trust_remote_code)
+    settings = ModelSettings(args.target, args.draft, tuple(args.drafter), args.device, args.dtype,
+                             args.trust_remote_code)
     try:
         return Engine.load(settings, stderr_progress)
     except EngineError as exc:
@@ -115,11 +118,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.events import Summary, TokenEvent
     from engine.sampling import SamplingParams
 
-    method = args.method or ("draft" if args.draft else "lookup")
-    if method in ("draft", "tree") and not args.draft:
-        print(f"error: --method {method} needs --draft MODEL", file=sys.stderr)
+    if args.method in ("draft", "tree") and not args.draft:
+        print(f"error: --method {args.method} needs --draft MODEL", file=sys.stderr)
         return 2
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    engine = load_engine(args)
+    method = args.method or ("draft" if args.draft else engine.default_method)
+    if method not in engine.methods:
+        print(f"error: method {method!r} is not available; the loaded models offer {', '.join(engine.methods)}",
+              file=sys.stderr)
+        return 2
     try:
         config = GenerationConfig(
             method=method, k=args.k, max_new_tokens=args.max_new_tokens, seed=args.seed,
@@ -129,7 +137,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    engine = load_engine(args)
     ids = engine.encode_chat([{"role": "user", "content": prompt}]) if args.chat else engine.encode_text(prompt)
     colour = sys.stdout.isatty() or not args.jsonl
     for event in engine.generate_ids(ids, config):

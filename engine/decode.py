@@ -21,8 +21,6 @@ from engine.sampling import SamplingParams, process_logits
 from engine.tree import TreeDrafter, tree_step
 from engine.verify import verify_chain, verify_chain_greedy
 
-METHODS = ("ar", "draft", "lookup", "tree")
-
 
 @dataclass(frozen=True)
 class GenerationConfig:

@@ -6,9 +6,11 @@ turn of a conversation only prefills what is new.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.cache import CachedModel
 from engine.decode import GenerationConfig, generate
@@ -29,6 +31,13 @@ from engine.models import (
 )
 from engine.tree import DEFAULT_TREE_PATHS, DraftModelTreeDrafter, TreeDrafter, TreeShape
 
+SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "resources" / "drafters"
+# Heads trained for the embedded default target, shipped in resources/ (see their model cards).
+DEFAULT_HEADS = ("eagle-smollm2-135m", "medusa-smollm2-135m")
+# Preferred method when the user names none: the strongest one the loaded models offer.
+PREFERENCE = ("eagle", "medusa", "tree", "draft", "lookup", "ar")
+CHAIN_PATHS = tuple((0,) * depth for depth in range(1, 17))
+
 
 class EngineError(RuntimeError):
     """Anything that stops the engine from doing what was asked; the message is meant for users."""
@@ -37,7 +46,8 @@ class EngineError(RuntimeError):
 @dataclass(frozen=True)
 class ModelSettings:
     target: str = DEFAULT_MODEL
-    draft: str | None = None  # a draft model's source, for method "draft"
+    draft: str | None = None  # a draft model's source, for methods "draft" and "tree"
+    heads: tuple[str, ...] = ()  # folders of EAGLE or Medusa heads; () = the shipped ones for the default
     device: str = "auto"
     dtype: str = "auto"
     trust_remote_code: bool = False
@@ -45,7 +55,7 @@ class ModelSettings:
 
 
 class Engine:
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None):
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, heads: tuple[str, ...] = ()):
         self.target = target
         self.draft = draft
         self.compatibility: CompatReport | None = check_pair(target, draft) if draft else None
@@ -62,6 +72,8 @@ class Engine:
             self._drafters["tree"] = DraftModelTreeDrafter(
                 CachedModel(draft.model, n_vocab), TreeShape.from_paths(DEFAULT_TREE_PATHS)
             )
+        for folder in heads:
+            self._drafters.update(_head_drafters(Path(folder), self.target_lm))
         self.eos_ids = _eos_ids(target)
 
     @classmethod
@@ -73,7 +85,14 @@ class Engine:
             draft = load_model(settings.draft, options, progress) if settings.draft else None
         except ModelLoadError as exc:
             raise EngineError(str(exc)) from exc
-        return cls(target, draft)
+        heads = settings.heads
+        if not heads and settings.target == DEFAULT_MODEL:
+            heads = tuple(str(SHIPPED_HEADS / name) for name in DEFAULT_HEADS if (SHIPPED_HEADS / name).exists())
+        return cls(target, draft, heads)
+
+    @property
+    def default_method(self) -> str:
+        return next(m for m in PREFERENCE if m in self.methods)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -119,6 +138,34 @@ class Engine:
             eos_ids=self.eos_ids,
             cancel=cancel,
         )
+
+
+def _head_drafters(folder: Path, target: CachedModel) -> dict[str, TreeDrafter]:
+    """The methods a folder of trained heads adds: EAGLE (dynamic tree and chain) or Medusa."""
+    from engine.drafters.eagle import EagleDrafter, EagleHead
+    from engine.drafters.medusa import MedusaDrafter, MedusaHeads
+
+    config_file = folder / "config.json"
+    if not config_file.exists():
+        raise EngineError(f"{folder} holds no config.json: not a folder of EAGLE or Medusa heads.")
+    config = json.loads(config_file.read_text())
+    text_config = target.model.config.get_text_config()
+    try:
+        if "medusa_num_heads" in config:
+            heads = MedusaHeads.load(folder, text_config.hidden_size, text_config.vocab_size)
+            return {"medusa": MedusaDrafter(heads, target, TreeShape.from_paths(DEFAULT_TREE_PATHS))}
+        head = EagleHead.load(folder)
+    except (OSError, RuntimeError, KeyError, ValueError) as exc:
+        raise EngineError(f"Could not load the heads in {folder}: {exc}") from exc
+    if head.config.hidden_size != text_config.hidden_size:
+        raise EngineError(
+            f"The EAGLE head in {folder} has width {head.config.hidden_size}, the target {text_config.hidden_size}: "
+            "it was trained for another model."
+        )
+    return {
+        "eagle": EagleDrafter(head, target),
+        "eagle_chain": EagleDrafter(head, target, shape=TreeShape.from_paths(CHAIN_PATHS), name="eagle_chain"),
+    }
 
 
 def _eos_ids(model: LoadedModel) -> tuple[int, ...]:

@@ -99,12 +99,15 @@ def run_selftest(
     verify: ChainVerifier | None = None,
     progress: Callable[[str, float | None], None] | None = None,
     greedy_tokens: int = 32,
+    verify_tree_fn: TreeVerifier | None = None,
 ) -> SelftestReport:
-    """Exactness of the chain verifier (K = 1 and 3) and, with an engine, greedy equality of every
-    speculative method against plain decoding on the loaded models."""
-    from engine.verify import verify_chain
+    """Exactness of the chain verifier (K = 1 and 3) and of the tree verifier (depth 3, siblings
+    drawn without replacement) and, with an engine, greedy equality of every speculative method
+    against plain decoding on the loaded models."""
+    from engine.verify import verify_chain, verify_tree
 
     verify = verify or verify_chain
+    verify_tree_fn = verify_tree_fn or verify_tree
     report = progress or (lambda message, fraction: None)
     lines: list[str] = []
     passed = True
@@ -115,6 +118,12 @@ def run_selftest(
         )
         lines.append(result.describe())
         passed &= result.passed
+    label = "tree exactness (3, 2, 2) without replacement"
+    result = check_tree_exactness(
+        verify_tree_fn, trials=trials, seed=5, name=label, progress=lambda f: report(label, f)
+    )
+    lines.append(result.describe())
+    passed &= result.passed
     if engine is not None:
         from engine.decode import GenerationConfig
         from engine.events import Summary

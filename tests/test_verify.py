@@ -58,3 +58,15 @@ def test_greedy_verification():
     assert verify_chain_greedy(torch.tensor([5, 6, 7, 8]), torch.tensor([5, 6, 7])) == (3, 8)
     assert verify_chain_greedy(torch.tensor([5, 9, 7, 8]), torch.tensor([5, 6, 7])) == (1, 9)
     assert verify_chain_greedy(torch.tensor([1]), torch.tensor([], dtype=torch.long)) == (0, 1)
+
+
+def test_selftest_reports_failure_for_broken_verifiers():
+    from engine.selftest import run_selftest
+    from tests.broken_samplers import resample_from_target
+
+    good = run_selftest(None, trials=8192)
+    assert good.passed, good.lines
+    assert len(good.lines) == 3 and all(line.startswith("PASS") for line in good.lines)
+    bad = run_selftest(None, trials=8192, verify=resample_from_target)
+    assert not bad.passed
+    assert any(line.startswith("FAIL chain") for line in bad.lines)

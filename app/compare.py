@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
-from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QColor, QTextCharFormat, QTextCursor
+from PySide6.QtCore import QSize, Qt, Signal
+from PySide6.QtGui import QColor, QPainter, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
@@ -21,12 +21,13 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from engine.advisor import Advice
 from engine.events import StepEvent, Summary, TokenEvent
 
 from app.chat_view import token_format
 from app.settings import AppSettings
-from app.stats import TokenDiff, diff_tokens
-from app.worker import EngineWorker, GenerateRequest
+from app.stats import TokenDiff, advise, diff_tokens, speedup_at
+from app.worker import EngineWorker
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,35 @@ class CompareResult:
     tau: float | None
     diff: TokenDiff | None  # only at temperature 0, where outputs must match
     error: str = ""
+    advice: Advice | None = None  # the advisor's prediction from the speculative run's steps
+    predicted_k: int | None = None  # the K the prediction is read at (mean K when adaptive)
+    predicted_speedup: float | None = None
+    speculative_steps: tuple[StepEvent, ...] = field(default=(), repr=False)
+
+
+class ElidedLabel(QLabel):
+    """One line of plain text that elides instead of widening its window (full text as tooltip)."""
+
+    def __init__(self, text: str = "", bold: bool = False, parent: QWidget | None = None) -> None:
+        super().__init__(text, parent)
+        if bold:
+            font = self.font()
+            font.setBold(True)
+            self.setFont(font)
+        self.setTextFormat(Qt.TextFormat.PlainText)
+
+    def setText(self, text: str) -> None:
+        super().setText(text)
+        self.setToolTip(text)
+
+    def minimumSizeHint(self) -> QSize:
+        return QSize(min(60, super().sizeHint().width()), super().minimumSizeHint().height())
+
+    def paintEvent(self, event) -> None:
+        painter = QPainter(self)
+        rect = self.contentsRect()
+        elided = self.fontMetrics().elidedText(self.text(), Qt.TextElideMode.ElideRight, rect.width())
+        painter.drawText(rect, int(self.alignment() | Qt.AlignmentFlag.AlignVCenter), elided)
 
 
 class ComparePane(QWidget):
@@ -45,20 +75,18 @@ class ComparePane(QWidget):
 
     def __init__(self, title: str, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self.title = QLabel(f"<b>{title}</b>")
-        self.speed = QLabel("—")
+        self.title = ElidedLabel(title, bold=True)
+        self.speed = ElidedLabel("—")
         self.speed.setStyleSheet("color: #4b5563;")
         self.view = QTextBrowser()
         self.view.document().setDocumentMargin(12)
         self.tokens: list[TokenEvent] = []
         self.colours = True
-        header = QHBoxLayout()
-        header.addWidget(self.title)
-        header.addStretch(1)
-        header.addWidget(self.speed)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        layout.addLayout(header)
+        layout.setSpacing(2)
+        layout.addWidget(self.title)
+        layout.addWidget(self.speed)
         layout.addWidget(self.view, 1)
 
     def reset(self) -> None:
@@ -101,6 +129,8 @@ class ComparePane(QWidget):
 
 class ComparePanel(QWidget):
     finished = Signal(object)  # CompareResult
+    started = Signal(str)  # a caption for the run that begins
+    speculative_step = Signal(object)  # StepEvent of the speculative side, for the plot panel
 
     def __init__(self, worker: EngineWorker, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -112,6 +142,8 @@ class ComparePanel(QWidget):
         self._greedy = True
         self._order: tuple[int, int] | None = None
         self._cancels: tuple = ()
+        self._spec_steps: list[StepEvent] = []
+        self._predicted_k: int | None = None
 
         self.prompt = QLineEdit()
         self.prompt.setPlaceholderText("One prompt, run plainly and speculatively with the same seed…")
@@ -167,9 +199,11 @@ class ComparePanel(QWidget):
         messages = (("user", prompt.strip()),)
         seeded = replace(snapshot, seed=seed)
         model = seeded.model_settings()
-        left = GenerateRequest(model, messages, seeded.generation_config("ar"), tag="compare")
-        right = GenerateRequest(model, messages, seeded.generation_config(method), tag="compare")
+        left = self._worker.new_request(model, messages, seeded.generation_config("ar"), tag="compare")
+        right = self._worker.new_request(model, messages, seeded.generation_config(method), tag="compare")
         self._greedy = snapshot.temperature == 0.0
+        self._predicted_k = None if snapshot.adaptive_k else snapshot.k
+        self._spec_steps = []
         self._summaries.clear()
         self._errors.clear()
         self._requests = {left.id: self.left, right.id: self.right}
@@ -177,9 +211,11 @@ class ComparePanel(QWidget):
         self._cancels = (left.cancel, right.cancel)
         self.left.reset()
         self.right.reset()
-        self.right.title.setText(f"<b>Speculative</b> ({method}, K={snapshot.k}, seed {seed})")
-        self.left.title.setText(f"<b>Plain autoregressive</b> (seed {seed})")
+        k = f"K≤{snapshot.k} adaptive" if snapshot.adaptive_k else f"K={snapshot.k}"
+        self.right.title.setText(f"Speculative ({method}, {k}, seed {seed})")
+        self.left.title.setText(f"Plain autoregressive (seed {seed})")
         self.result.setText("Running the plain baseline, then the speculative decoder…")
+        self.started.emit(f"Comparing: plain, then {method} ({k})…")
         self.run_button.setEnabled(False)
         self.stop_button.setEnabled(True)
         self._worker.request_generate.emit(left)
@@ -199,6 +235,9 @@ class ComparePanel(QWidget):
     def _on_step(self, rid: int, step: StepEvent) -> None:
         if rid in self._requests:
             self._requests[rid].show_step(step)
+            if self._order and rid == self._order[1]:
+                self._spec_steps.append(step)
+                self.speculative_step.emit(step)
 
     def _on_summary(self, rid: int, summary: Summary) -> None:
         if rid in self._requests:
@@ -226,13 +265,27 @@ class ComparePanel(QWidget):
             self.result.setText(f"<span style='color:#b00020'>Comparison failed: {error}</span>")
             return CompareResult(base, spec, None, None, None, error)
         speedup = spec.tokens_per_s / base.tokens_per_s if base.tokens_per_s > 0 else None
+        steps = tuple(self._spec_steps)
+        advice = advise(steps)
+        predicted_k = predicted = None
+        if advice is not None:
+            drafting = [s.k for s in steps if s.drafted]
+            predicted_k = self._predicted_k or max(1, round(sum(drafting) / len(drafting)))
+            predicted = speedup_at(advice, predicted_k)
         diff = None
         parts = [
-            f"Speedup <b>{speedup:.2f}×</b>" if speedup else "Speedup n/a",
+            f"Speedup <b>{speedup:.2f}×</b> measured" if speedup else "Speedup n/a",
             f"τ = <b>{spec.mean_accepted_length:.2f}</b>",
             f"acceptance {100 * spec.acceptance_rate:.0f}%",
             f"{base.tokens_per_s:.1f} → {spec.tokens_per_s:.1f} tok/s",
         ]
+        if predicted is not None:
+            adaptive = "" if self._predicted_k else ", mean of adaptive K"
+            parts.insert(
+                1,
+                f"predicted <b>{predicted:.2f}×</b> at K={predicted_k}{adaptive} "
+                f"(advisor's best: K={advice.best_k}, {speedup_at(advice, advice.best_k):.2f}×)",
+            )
         if self._greedy:
             diff = diff_tokens([t.token_id for t in self.left.tokens], [t.token_id for t in self.right.tokens])
             if diff.identical:
@@ -249,4 +302,7 @@ class ComparePanel(QWidget):
         if "cancelled" in (base.stop_reason, spec.stop_reason):
             parts.append("(stopped early)")
         self.result.setText(" · ".join(parts))
-        return CompareResult(base, spec, speedup, spec.mean_accepted_length, diff)
+        return CompareResult(
+            base, spec, speedup, spec.mean_accepted_length, diff,
+            advice=advice, predicted_k=predicted_k, predicted_speedup=predicted, speculative_steps=steps,
+        )

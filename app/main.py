@@ -2,6 +2,7 @@
 
     speclens-gui
     speclens-gui --prompt "Explain speculative decoding" [--compare] --screenshot out.png
+    speclens-gui --prompt "..." --screenshot-settings settings.png   (the advisor after the answer)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from PySide6.QtWidgets import QApplication
 
 from app.chat_view import Message
 from app.compare import CompareResult
-from app.settings import MAX_K, METHODS, SettingsStore, with_overrides
+from app.settings import MAX_K, SettingsStore, with_overrides
 from app.window import MainWindow
 from app.worker import EngineFactory
 
@@ -30,14 +31,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--compare", action="store_true", help="run the prompt plain vs speculative")
     parser.add_argument("--screenshot", type=Path, help="save a screenshot here when done, then exit")
     parser.add_argument("--target", help="target model: default, hub id, folder or .gguf")
-    parser.add_argument("--method", choices=METHODS, help="drafting method")
+    # the loaded models decide which methods exist (Engine.methods); an unknown one fails after load
+    parser.add_argument("--method", help="drafting method offered by the loaded models, e.g. ar, lookup, draft, tree")
+    parser.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=None,
+                        help="adapt the draft length while generating (K is then the maximum)")
     parser.add_argument("-k", type=int, choices=range(1, MAX_K + 1), metavar=f"1..{MAX_K}", help="draft length")
     parser.add_argument("--max-new-tokens", type=int, help="answer length limit")
+    parser.add_argument("--screenshot-settings", type=Path,
+                        help="headless mode: also save the settings dialog (speedup advisor) here")
     parser.add_argument("--timeout", type=float, default=900.0, help="headless mode: give up after this many seconds")
     return parser.parse_args(argv)
 
 
-async def run_headless(window: MainWindow, prompt: str, compare: bool, screenshot: Path | None, timeout: float) -> int:
+async def run_headless(
+    window: MainWindow,
+    prompt: str,
+    compare: bool,
+    screenshot: Path | None,
+    timeout: float,
+    settings_screenshot: Path | None = None,
+) -> int:
     """Send the prompt (or compare it), wait for the answer, save a screenshot; return an exit code."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
@@ -65,6 +78,17 @@ async def run_headless(window: MainWindow, prompt: str, compare: bool, screensho
         if not window.grab().save(str(screenshot)):
             print(f"speclens: could not write {screenshot}", file=sys.stderr)
             return 4
+    if settings_screenshot is not None:
+        dialog = window.settings_dialog()
+        dialog.resize(dialog.sizeHint().expandedTo(dialog.minimumSizeHint()))
+        dialog.show()
+        await asyncio.sleep(0.3)
+        settings_screenshot.parent.mkdir(parents=True, exist_ok=True)
+        saved = dialog.grab().save(str(settings_screenshot))
+        dialog.close()
+        if not saved:
+            print(f"speclens: could not write {settings_screenshot}", file=sys.stderr)
+            return 4
     error = result.error if isinstance(result, (Message, CompareResult)) else ""
     if error and error != "(stopped)":
         print(f"speclens: {error}", file=sys.stderr)
@@ -75,18 +99,22 @@ async def run_headless(window: MainWindow, prompt: str, compare: bool, screensho
 def main(argv: Sequence[str] | None = None, engine_factory: EngineFactory | None = None) -> int:
     """`engine_factory` replaces Engine.load (tests and embedding); None loads real models."""
     args = parse_args(argv)
+    store = SettingsStore()
+    # flags apply to this run only; the stored settings stay as they were
+    try:
+        settings = with_overrides(
+            store.load(), target=args.target, method=args.method, k=args.k,
+            max_new_tokens=args.max_new_tokens, adaptive_k=args.adaptive_k,
+        )
+    except ValueError as exc:
+        print(f"speclens: {exc}", file=sys.stderr)
+        return 2
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("SpecLens")
     app.setOrganizationName("speclens")
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
 
-    store = SettingsStore()
-    # flags apply to this run only; the stored settings stay as they were
-    settings = with_overrides(
-        store.load(), target=args.target, method=args.method, k=args.k,
-        max_new_tokens=args.max_new_tokens,
-    )
     window = MainWindow(store, engine_factory=engine_factory, settings=settings)
     if args.screenshot is not None:
         window.resize(*SCREENSHOT_SIZE)
@@ -95,7 +123,9 @@ def main(argv: Sequence[str] | None = None, engine_factory: EngineFactory | None
     with loop:
         if args.prompt:
             code = loop.run_until_complete(
-                run_headless(window, args.prompt, args.compare, args.screenshot, args.timeout)
+                run_headless(
+                    window, args.prompt, args.compare, args.screenshot, args.timeout, args.screenshot_settings
+                )
             )
             window.close()
             return code

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QTimer
-from PySide6.QtWidgets import QGridLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
+from engine.advisor import Advice
 from engine.events import StepEvent, Summary
 
-from app.stats import ROLLING_STEPS, step_series
+from app.stats import ROLLING_STEPS, advise, speedup_at, step_series
 
 REDRAW_MS = 100
 ACCENT = "#2563eb"
 ACCEPT = "#3f9c4f"
 MUTED = "#9aa3ae"
+DRAFT_K = "#d97706"
+FEW_STEPS = 16  # below this many drafting steps the advisor's inputs are noisy
 
 
 def _plot(title: str, x_label: str, y_label: str, y_units: str | None = None) -> pg.PlotWidget:
@@ -45,13 +48,31 @@ class StepPlots(QWidget):
 
         self.acceptance = _plot("Acceptance rate per step", "step", "accepted / drafted")
         self.acceptance.setYRange(0, 1.05)
-        self.acceptance.addLegend(offset=(-5, 5), labelTextSize="8pt")
+        legend = self.acceptance.addLegend(offset=(-5, 5), labelTextSize="8pt")
+        legend.setBrush(pg.mkBrush(255, 255, 255, 210))  # readable over the curves it covers
         self._acc_points = self.acceptance.plot(
             pen=None, symbol="o", symbolSize=4, symbolBrush=MUTED, symbolPen=None, name="step"
         )
         self._acc_rolling = self.acceptance.plot(
             pen=pg.mkPen(ACCEPT, width=2), name=f"rolling ({ROLLING_STEPS} steps)"
         )
+        # K per step on a right-hand axis of the same plot: with adaptive K it moves with acceptance
+        item = self.acceptance.getPlotItem()
+        self._k_view = pg.ViewBox(enableMenu=False)
+        self._k_view.setMouseEnabled(x=False, y=False)
+        item.showAxis("right")
+        item.scene().addItem(self._k_view)
+        right = item.getAxis("right")
+        right.linkToView(self._k_view)
+        right.setLabel("K", color=DRAFT_K)
+        right.setTextPen(DRAFT_K)
+        right.setPen("#9ca3af")
+        right.enableAutoSIPrefix(False)
+        self._k_view.setXLink(item.vb)
+        item.vb.sigResized.connect(self._sync_k_view)
+        self._k_curve = pg.PlotDataItem(pen=pg.mkPen(DRAFT_K, width=1.5), stepMode="right")
+        self._k_view.addItem(self._k_curve)
+        self.acceptance.getPlotItem().legend.addItem(self._k_curve, "K (right axis)")
 
         self.speed = _plot("Decoding speed", "step", "tokens/s", None)
         self._speed_curve = self.speed.plot(pen=pg.mkPen(ACCENT, width=2))
@@ -109,6 +130,12 @@ class StepPlots(QWidget):
         self.summary.setText(summary_text(summary))
         self.redraw()
 
+    def set_caption(self, caption: str) -> None:
+        self.summary.setText(caption)
+
+    def _sync_k_view(self) -> None:
+        self._k_view.setGeometry(self.acceptance.getPlotItem().vb.sceneBoundingRect())
+
     def _redraw_if_dirty(self) -> None:
         if self._dirty:
             self.redraw()
@@ -123,6 +150,9 @@ class StepPlots(QWidget):
         rolling = np.asarray(series.rolling_acceptance, dtype=float)
         keep = ~np.isnan(rolling)
         self._acc_rolling.setData(x[keep], rolling[keep])
+        ks = np.asarray([e.k for e in self._steps], dtype=float)
+        self._k_curve.setData(x, ks)
+        self._k_view.setYRange(0, max(ks.max(initial=0.0), 1.0) + 1, padding=0)
         rate = np.asarray(series.tokens_per_s, dtype=float)
         keep = ~np.isnan(rate)
         self._speed_curve.setData(x[keep], rate[keep])
@@ -145,3 +175,86 @@ def summary_text(s: Summary) -> str:
         f"drafted {s.drafted}, accepted {s.accepted} "
         f"({100 * s.acceptance_rate:.0f}%) · stop: {s.stop_reason}"
     )
+
+
+class AdvisorPanel(QWidget):
+    """Predicted speedup over K = 1..k_max from one answer's steps (engine.advisor), with the best
+    K marked; `apply_requested` carries the recommended K."""
+
+    apply_requested = Signal(int)
+
+    def __init__(self, k_max: int, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.k_max = k_max
+        self.advice: Advice | None = None
+        self.plot = _plot("Predicted speedup by draft length", "draft length K", "× plain decoding")
+        self.plot.setMinimumSize(320, 220)
+        self.plot.setXRange(0.5, k_max + 0.5, padding=0)
+        self.plot.addItem(pg.InfiniteLine(pos=1.0, angle=0, pen=pg.mkPen(MUTED, style=Qt.PenStyle.DashLine)))
+        self._curve = self.plot.plot(pen=pg.mkPen(ACCENT, width=2), symbol="o", symbolSize=5,
+                                     symbolBrush=ACCENT, symbolPen=None)
+        self._best = self.plot.plot(pen=None, symbol="star", symbolSize=18, symbolBrush=ACCEPT, symbolPen="w")
+        self._best_line = pg.InfiniteLine(angle=90, pen=pg.mkPen(ACCEPT, width=1, style=Qt.PenStyle.DashLine))
+        self._best_line.hide()
+        self.plot.addItem(self._best_line)
+        self.label = QLabel()
+        self.label.setWordWrap(True)
+        self.label.setTextFormat(Qt.TextFormat.RichText)
+        self.apply = QPushButton("Use recommended K")
+        self.apply.clicked.connect(self._apply_clicked)
+        row = QHBoxLayout()
+        row.addWidget(self.label, 1)
+        row.addWidget(self.apply, 0, Qt.AlignmentFlag.AlignTop)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.plot, 1)
+        layout.addLayout(row)
+        self.set_measurement(())
+
+    def set_measurement(self, steps: Sequence[StepEvent], source: str = "", current_k: int | None = None) -> None:
+        self.advice = advise(steps, self.k_max) if steps else None
+        advice = self.advice
+        if advice is None:
+            self._curve.setData([], [])
+            self._best.setData([], [])
+            self._best_line.hide()
+            self.apply.setEnabled(False)
+            self.apply.setText("Use recommended K")
+            self.label.setText(
+                "No measurement yet: send a message with a drafting method (or run a comparison), "
+                "then reopen the settings to see the predicted speedup for each K."
+                if not steps
+                else "The last answer drafted nothing (plain decoding), so there is no acceptance to "
+                "measure. Send a message with a drafting method first."
+            )
+            return
+        best = advice.speedup[advice.best_k - advice.ks[0]]
+        self._curve.setData(list(advice.ks), list(advice.speedup))
+        self._best.setData([advice.best_k], [best])
+        self._best_line.setPos(advice.best_k)
+        self._best_line.show()
+        self.plot.setYRange(0, max(max(advice.speedup), 1.0) * 1.15, padding=0)
+        self.apply.setEnabled(True)
+        self.apply.setText(f"Use K = {advice.best_k}")
+        text = (
+            f"Recommended <b>K = {advice.best_k}</b>: predicted <b>{best:.2f}×</b> plain decoding, "
+            f"{advice.expected_tokens[advice.best_k - advice.ks[0]]:.2f} tokens per target pass."
+        )
+        if best < 1.0:
+            text += (
+                " <span style='color:#b00020'>Every K is predicted slower than plain decoding: too few "
+                "drafts are accepted to pay for drafting.</span>"
+            )
+        if current_k is not None:
+            text += f" Current K = {current_k}: {speedup_at(advice, current_k):.2f}×."
+        drafted = sum(1 for s in steps if s.drafted)
+        rough = " — few steps, so a rough estimate" if drafted < FEW_STEPS else ""
+        text += (
+            f"<br><span style='color:#6b7280'>Measured on {source or 'the last answer'}: "
+            f"{drafted} drafting steps{rough}.</span>"
+        )
+        self.label.setText(text)
+
+    def _apply_clicked(self) -> None:
+        if self.advice is not None:
+            self.apply_requested.emit(self.advice.best_k)

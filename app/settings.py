@@ -7,6 +7,7 @@ message only.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -15,6 +16,7 @@ import platformdirs
 import tomli_w
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
+    QCheckBox,
     QComboBox,
     QDialog,
     QDialogButtonBox,
@@ -33,15 +35,30 @@ from PySide6.QtWidgets import (
 )
 
 from engine.decode import GenerationConfig
+from engine.events import StepEvent
 from engine.sampling import SamplingParams
 from engine.session import ModelSettings
 
-METHODS: tuple[str, ...] = ("ar", "draft", "lookup")
+from app.plots import AdvisorPanel
+
+# The engine says which methods a loaded pair offers (Engine.methods); these only name the known ones.
 METHOD_LABELS = {
     "ar": "Plain autoregressive (no drafting)",
     "draft": "Draft model",
     "lookup": "Prompt lookup",
+    "tree": "Token tree (draft model)",
+    "eagle": "EAGLE heads",
+    "medusa": "Medusa heads",
 }
+# Methods that need no second model: a configured draft model is only loaded for the others.
+TARGET_ONLY_METHODS = frozenset({"ar", "lookup"})
+# Offered before any engine has reported its own list (e.g. settings opened before the first load).
+FALLBACK_METHODS: tuple[str, ...] = ("ar", "lookup", "draft")
+_METHOD_NAME = re.compile(r"[a-z][a-z0-9_-]*")
+
+
+def method_label(method: str) -> str:
+    return METHOD_LABELS.get(method, method)
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda", "mps")
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 MAX_K = 16
@@ -60,10 +77,14 @@ class AppSettings:
     max_new_tokens: int = 256
     device: str = "auto"
     dtype: str = "auto"
+    adaptive_k: bool = True  # K above is then the upper bound of the +2/-1 schedule
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        # any well-formed name: only the loaded engine knows which methods it offers
+        if not isinstance(self.method, str) or not _METHOD_NAME.fullmatch(self.method):
+            raise ValueError(f"method must be a method name such as 'lookup', got {self.method!r}")
+        if not isinstance(self.adaptive_k, bool):
+            raise ValueError("adaptive_k must be true or false")
         if not 1 <= self.k <= MAX_K:
             raise ValueError(f"K must be in 1..{MAX_K}, got {self.k}")
         if self.max_new_tokens < 1:
@@ -78,7 +99,7 @@ class AppSettings:
         draft = self.draft.strip() or None
         return ModelSettings(
             target=self.target.strip() or "default",
-            draft=draft if self.method == "draft" else None,
+            draft=None if self.method in TARGET_ONLY_METHODS else draft,
             device=self.device,
             dtype=self.dtype,
         )
@@ -90,6 +111,7 @@ class AppSettings:
             sampling=SamplingParams(self.temperature, self.top_k, self.top_p),
             max_new_tokens=self.max_new_tokens,
             seed=None if self.seed < 0 else self.seed,
+            adaptive_k=self.adaptive_k,
         )
 
     @classmethod
@@ -214,14 +236,25 @@ class _SourceEdit(QWidget):
 
 class SettingsDialog(QDialog):
     """Edits an AppSettings. `check_requested` asks the owner to load the pair and answer with
-    `show_report`, so the compatibility report is seen before the pair is used."""
+    `show_report` (and `set_methods`), so the compatibility report is seen before the pair is used.
+
+    `methods` are the loaded engine's methods; `steps` the last answer's StepEvents, which feed the
+    speedup advisor."""
 
     check_requested = Signal(object)  # AppSettings
 
-    def __init__(self, settings: AppSettings, parent: QWidget | None = None) -> None:
+    def __init__(
+        self,
+        settings: AppSettings,
+        parent: QWidget | None = None,
+        methods: tuple[str, ...] | None = None,
+        steps: tuple[StepEvent, ...] = (),
+        steps_source: str = "",
+    ) -> None:
         super().__init__(parent)
         self.setWindowTitle("SpecLens settings")
         self.setMinimumWidth(620)
+        self._steps, self._steps_source = tuple(steps), steps_source
 
         self.pair = QComboBox()
         for entry in CATALOG:
@@ -229,10 +262,11 @@ class SettingsDialog(QDialog):
         self.pair.addItem(CUSTOM_LABEL, None)
         self.target = _SourceEdit("default, a hub id, a folder or a .gguf file")
         self.method = QComboBox()
-        for method in METHODS:
-            self.method.addItem(METHOD_LABELS[method], method)
-        self.draft = _SourceEdit("draft model: hub id, folder or .gguf (method 'Draft model')")
+        self.method.setToolTip("The methods the loaded models offer; “Check pair” refreshes the list.")
+        self.draft = _SourceEdit("draft model: hub id, folder or .gguf (draft-model methods)")
         self.k = QSpinBox(minimum=1, maximum=MAX_K)
+        self.adaptive_k = QCheckBox("Adapt K while generating (+2 after a fully accepted draft, −1 otherwise)")
+        self.adaptive_k.setToolTip("K above is then the largest draft length. Output stays exact.")
         self.temperature = QDoubleSpinBox(minimum=0.0, maximum=2.0, singleStep=0.1, decimals=2)
         self.temperature.setSpecialValueText("0 (greedy)")
         self.top_k = QSpinBox(minimum=0, maximum=1000)
@@ -258,6 +292,7 @@ class SettingsDialog(QDialog):
         decoding = QGroupBox("Decoding (applies from the next message)")
         decoding_form = QFormLayout(decoding)
         decoding_form.addRow("Draft length K", self.k)
+        decoding_form.addRow("", self.adaptive_k)
         decoding_form.addRow("Temperature", self.temperature)
         decoding_form.addRow("Top-k", self.top_k)
         decoding_form.addRow("Top-p", self.top_p)
@@ -277,28 +312,60 @@ class SettingsDialog(QDialog):
         compat_layout.addWidget(self.report)
         compat_layout.addWidget(self.check, 0, Qt.AlignmentFlag.AlignRight)
 
+        self.advisor = AdvisorPanel(MAX_K)
+        self.advisor.apply_requested.connect(self.k.setValue)
+        self.k.valueChanged.connect(self._refresh_advisor)
+        advisor_box = QGroupBox("Speedup advisor (from the last answer's measured steps)")
+        advisor_layout = QVBoxLayout(advisor_box)
+        advisor_layout.addWidget(self.advisor)
+
         buttons = QDialogButtonBox(
             QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel
         )
         buttons.accepted.connect(self._accept_if_valid)
         buttons.rejected.connect(self.reject)
 
+        left = QVBoxLayout()
+        left.addWidget(models)
+        left.addWidget(decoding)
+        left.addWidget(compat)
+        columns = QHBoxLayout()
+        columns.addLayout(left, 3)
+        columns.addWidget(advisor_box, 2)
         layout = QVBoxLayout(self)
-        layout.addWidget(models)
-        layout.addWidget(decoding)
-        layout.addWidget(compat)
+        layout.addLayout(columns)
         layout.addWidget(self.error)
         layout.addWidget(buttons)
 
+        self.set_methods(methods or FALLBACK_METHODS, settings.method)
         self.set_settings(settings)
         self.pair.activated.connect(self._apply_pair)
         self.method.currentIndexChanged.connect(self._sync_enabled)
 
+    def set_methods(self, methods: tuple[str, ...] | list[str], keep: str | None = None) -> None:
+        """Offer `methods` (the loaded engine's), plus `keep` (or the current choice) so a stored
+        setting is never silently replaced."""
+        keep = keep or self.method.currentData()
+        offered = list(dict.fromkeys(methods))
+        if keep and keep not in offered:
+            offered.append(keep)
+        self.method.blockSignals(True)
+        self.method.clear()
+        for method in offered:
+            self.method.addItem(method_label(method), method)
+        self.method.blockSignals(False)
+        self._select_method(keep or offered[0])
+
+    def set_measurement(self, steps: tuple[StepEvent, ...], source: str = "") -> None:
+        self._steps, self._steps_source = tuple(steps), source
+        self._refresh_advisor()
+
     def set_settings(self, s: AppSettings) -> None:
         self.target.edit.setText(s.target)
         self.draft.edit.setText(s.draft)
-        self.method.setCurrentIndex(METHODS.index(s.method))
+        self._select_method(s.method)
         self.k.setValue(s.k)
+        self.adaptive_k.setChecked(s.adaptive_k)
         self.temperature.setValue(s.temperature)
         self.top_k.setValue(s.top_k)
         self.top_p.setValue(s.top_p)
@@ -310,6 +377,7 @@ class SettingsDialog(QDialog):
         match = match or [i for i, e in enumerate(CATALOG) if e.target == s.target]
         self.pair.setCurrentIndex(match[0] if match else len(CATALOG))
         self._sync_enabled()
+        self._refresh_advisor()
 
     def settings(self) -> AppSettings:
         """The edited settings; raises ValueError when they do not validate."""
@@ -325,11 +393,22 @@ class SettingsDialog(QDialog):
             max_new_tokens=self.max_new_tokens.value(),
             device=self.device.currentText(),
             dtype=self.dtype.currentText(),
+            adaptive_k=self.adaptive_k.isChecked(),
         )
 
     def show_report(self, ok: bool, lines: tuple[str, ...] | list[str]) -> None:
         verdict = "✓ The pair is compatible." if ok else "✗ The pair is not usable as it is."
         self.report.setPlainText("\n".join([verdict, *lines]))
+
+    def _select_method(self, method: str) -> None:
+        index = self.method.findData(method)
+        if index < 0:
+            self.method.addItem(method_label(method), method)
+            index = self.method.count() - 1
+        self.method.setCurrentIndex(index)
+
+    def _refresh_advisor(self) -> None:
+        self.advisor.set_measurement(self._steps, self._steps_source, current_k=self.k.value())
 
     def _apply_pair(self, index: int) -> None:
         entry = self.pair.itemData(index)
@@ -338,11 +417,11 @@ class SettingsDialog(QDialog):
         self.target.edit.setText(entry.target)
         self.draft.edit.setText(entry.draft)
         if entry.draft:
-            self.method.setCurrentIndex(METHODS.index("draft"))
+            self._select_method("draft")
         self.report.clear()
 
     def _sync_enabled(self) -> None:
-        self.draft.setEnabled(self.method.currentData() == "draft")
+        self.draft.setEnabled(self.method.currentData() not in TARGET_ONLY_METHODS)
 
     def _accept_if_valid(self) -> None:
         try:

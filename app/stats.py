@@ -1,4 +1,5 @@
-"""Per-answer statistics derived from StepEvents (pure Python, no Qt), for the plots and the diff."""
+"""Per-answer statistics derived from StepEvents (pure Python, no Qt), for the plots, the diff and
+the speedup advisor."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.advisor import Advice, measure_costs, predict
 from engine.events import StepEvent
 
 ROLLING_STEPS = 16
@@ -82,3 +84,16 @@ def diff_tokens(left: Sequence[int], right: Sequence[int]) -> TokenDiff:
         right_changed=frozenset(right_changed),
         first_difference=first,
     )
+
+
+def advise(events: Sequence[StepEvent], k_max: int = 16) -> Advice | None:
+    """The speedup advisor's prediction from one answer's measured steps (per-position acceptance
+    and draft/verify timings); None when nothing was drafted, so there is nothing to measure."""
+    if not any(e.drafted for e in events):
+        return None
+    return predict(step_series(events).per_position, measure_costs(events), k_max)
+
+
+def speedup_at(advice: Advice, k: int) -> float:
+    """The predicted speedup at draft length k, clamped to the advised range."""
+    return advice.speedup[min(max(k, advice.ks[0]), advice.ks[-1]) - advice.ks[0]]

@@ -29,13 +29,15 @@ from PySide6.QtWidgets import (
 from superqt.utils import qthrottled
 
 from engine.events import StepEvent, Summary, TokenEvent
+from engine.selftest import ChainVerifier, SelftestReport
 
 from app.chat_view import ChatView, Legend, Message
-from app.compare import ComparePanel
+from app.compare import CompareResult, ComparePanel
 from app.history import HistoryStore
 from app.plots import StepPlots, summary_text
-from app.settings import METHOD_LABELS, AppSettings, SettingsDialog, SettingsStore, config_dir
-from app.worker import EngineFactory, GenerateRequest, LoadInfo, WorkerThread
+from app.selftest_view import SelftestDialog
+from app.settings import AppSettings, SettingsDialog, SettingsStore, config_dir, method_label
+from app.worker import SELFTEST_TRIALS, EngineFactory, GenerateRequest, LoadInfo, SelftestRequest, WorkerThread
 
 FLUSH_MS = 33  # at most ~30 redraws/s however fast tokens arrive
 AUTOSAVE_MS = 1000
@@ -71,6 +73,7 @@ class _Answer:
 class MainWindow(QMainWindow):
     answer_finished = Signal(object)  # Message
     busy_changed = Signal(bool)
+    selftest_finished = Signal(object)  # SelftestReport
 
     def __init__(
         self,
@@ -95,6 +98,10 @@ class MainWindow(QMainWindow):
         self._answer_steps: dict[int, tuple[tuple[StepEvent, ...], str]] = {}  # view index -> steps, caption
         self._loaded: LoadInfo | None = None
         self._dialog: SettingsDialog | None = None
+        # the steps the speedup advisor measures: the last finished answer or comparison
+        self._measured: tuple[tuple[StepEvent, ...], str] = ((), "")
+        self._selftest: SelftestRequest | None = None
+        self.selftest_dialog: SelftestDialog | None = None
         self._closing = False
 
         self._build_ui()
@@ -174,6 +181,9 @@ class MainWindow(QMainWindow):
 
         self.compare = ComparePanel(self.worker)
         self.compare.set_settings(self.settings)
+        self.compare.started.connect(self._on_compare_started)
+        self.compare.speculative_step.connect(self._on_compare_step)
+        self.compare.finished.connect(self._on_compare_finished)
         self.tabs = QTabWidget()
         self.tabs.setDocumentMode(True)
         self.tabs.addTab(chat_page, "Chat")
@@ -211,11 +221,15 @@ class MainWindow(QMainWindow):
         new_action.triggered.connect(self.new_conversation)
         quit_action = QAction("Quit", self, shortcut=QKeySequence.StandardKey.Quit)
         quit_action.triggered.connect(self.close)
+        self.selftest_action = QAction("Run exactness self-test…", self)
+        self.selftest_action.triggered.connect(self.open_selftest)
         file_menu = self.menuBar().addMenu("&File")
         file_menu.addAction(new_action)
         file_menu.addAction(settings_action)
         file_menu.addSeparator()
         file_menu.addAction(quit_action)
+        tools_menu = self.menuBar().addMenu("&Tools")
+        tools_menu.addAction(self.selftest_action)
         settings_button = QToolButton()
         settings_button.setDefaultAction(settings_action)
         self.tabs.setCornerWidget(settings_button)
@@ -230,6 +244,8 @@ class MainWindow(QMainWindow):
         w.summary.connect(self._on_summary)
         w.error.connect(self._on_error)
         w.finished.connect(self._on_finished)
+        w.selftest_progress.connect(self._on_selftest_progress)
+        w.selftest_done.connect(self._on_selftest_done)
 
     # -- public actions --------------------------------------------------------------------------
 
@@ -253,7 +269,7 @@ class MainWindow(QMainWindow):
         self.chat.add_message(Message("user", text))
         snapshot = self.settings
         history = tuple((m.role, m.text) for m in self.chat.messages if m.text)
-        request = GenerateRequest(snapshot.model_settings(), history, snapshot.generation_config())
+        request = self.worker.new_request(snapshot.model_settings(), history, snapshot.generation_config())
         meta = _meta_line(snapshot, None)
         message_id = self.history.add_message(self._conversation_id, "assistant", "", complete=False, meta=meta)
         self._answer = _Answer(request, message_id, snapshot, [], [])
@@ -284,17 +300,45 @@ class MainWindow(QMainWindow):
         self.compare.set_settings(settings)
         self._show_settings_in_status()
 
-    def open_settings(self) -> None:
-        dialog = SettingsDialog(self.settings, self)
+    def settings_dialog(self) -> SettingsDialog:
+        """A settings dialog on the current settings, the loaded engine's methods and the advisor's
+        measurement; `open_settings` runs it modally."""
+        steps, source = self._measured
+        methods = self._loaded.methods if self._loaded else None
+        dialog = SettingsDialog(self.settings, self, methods=methods, steps=steps, steps_source=source)
         dialog.check_requested.connect(lambda s: self.worker.request_load.emit(s.model_settings()))
         if self._loaded and self._loaded.settings == self.settings.model_settings():
             self._show_report(dialog, self._loaded)
+        return dialog
+
+    def open_settings(self) -> None:
+        dialog = self.settings_dialog()
         self._dialog = dialog
         try:
             if dialog.exec():
                 self.apply_settings(dialog.settings())
         finally:
             self._dialog = None
+
+    def open_selftest(self) -> SelftestDialog:
+        if self.selftest_dialog is None:
+            self.selftest_dialog = SelftestDialog(self)
+            self.selftest_dialog.run_requested.connect(self.run_selftest)
+        self.selftest_dialog.show()
+        self.selftest_dialog.raise_()
+        return self.selftest_dialog
+
+    def run_selftest(self, trials: int = SELFTEST_TRIALS, verify: ChainVerifier | None = None) -> bool:
+        """Queue an exactness self-test on the worker thread (the loaded models, or the configured
+        ones loaded first); `verify` swaps the chain verifier under test. False if one is running."""
+        if self._selftest is not None:
+            return False
+        dialog = self.open_selftest()
+        self._selftest = SelftestRequest(self.settings.model_settings(), self.worker.next_id(), trials, verify)
+        self.selftest_action.setEnabled(False)
+        dialog.begin(trials)
+        self.worker.request_selftest.emit(self._selftest)
+        return True
 
     def new_conversation(self) -> None:
         if self.busy:
@@ -323,6 +367,9 @@ class MainWindow(QMainWindow):
         self.chat.set_messages(messages)
         last = max(self._answer_steps, default=None)
         self.plots.set_steps(*self._answer_steps.get(last, ((), "")))
+        if last is not None:
+            steps, meta = self._answer_steps[last]
+            self._measured = (steps, f"the last answer of this conversation ({meta})")
         self._select_in_list(conversation_id)
 
     # -- worker signals --------------------------------------------------------------------------
@@ -345,8 +392,14 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage(f"Loaded {info.description}", 5000)
         self.status_model.setText(info.description)
         self.status_model.setToolTip("\n".join(info.compat_lines))
+        if info.settings == self.settings.model_settings() and self.settings.method not in info.methods:
+            self.show_error(
+                f"Method '{self.settings.method}' is not offered by {info.description} "
+                f"(available: {', '.join(info.methods)}). Choose one in Settings."
+            )
         if self._dialog is not None:
             self._show_report(self._dialog, info)
+            self._dialog.set_methods(info.methods)
 
     def _on_load_failed(self, message: str) -> None:
         self._loaded = None
@@ -398,6 +451,8 @@ class MainWindow(QMainWindow):
         self.chat.finish_answer(message)
         caption = summary_text(answer.summary) if answer.summary else meta
         self._answer_steps[len(self.chat.messages) - 1] = (tuple(answer.steps), caption)
+        if answer.steps:
+            self._measured = (tuple(answer.steps), f"the last answer ({meta})")
         if answer.summary:
             self.plots.set_summary(answer.summary)
             self.status_speed.setText(f"{answer.summary.tokens_per_s:.1f} tok/s")
@@ -405,6 +460,40 @@ class MainWindow(QMainWindow):
         self._set_busy(False)
         self._refresh_conversations()
         self.answer_finished.emit(message)
+
+    def _on_compare_started(self, caption: str) -> None:
+        if not self.busy:  # the chat answer in flight owns the plots
+            self.plots.clear()
+            self.plots.set_caption(caption)
+
+    def _on_compare_step(self, step: StepEvent) -> None:
+        if not self.busy:
+            self.plots.add_steps((step,))
+
+    def _on_compare_finished(self, result: CompareResult) -> None:
+        if result.speculative_steps:
+            method = result.speculative.method if result.speculative else "speculative"
+            self._measured = (result.speculative_steps, f"the last comparison ({method})")
+        if not self.busy:
+            self.plots.set_steps(result.speculative_steps)
+            if result.speculative is not None:
+                self.plots.set_summary(result.speculative)
+            else:
+                self.plots.set_caption(f"Comparison failed: {result.error}")
+
+    def _on_selftest_progress(self, rid: int, message: str, fraction: float | None) -> None:
+        if self._selftest is not None and rid == self._selftest.id and self.selftest_dialog is not None:
+            self.selftest_dialog.show_progress(message, fraction)
+
+    def _on_selftest_done(self, rid: int, report: SelftestReport) -> None:
+        if self._selftest is None or rid != self._selftest.id:
+            return
+        self._selftest = None
+        self.selftest_action.setEnabled(True)
+        if self.selftest_dialog is not None:
+            self.selftest_dialog.show_report(report)
+        self.statusBar().showMessage(f"Exactness self-test: {'PASS' if report.passed else 'FAIL'}", 10000)
+        self.selftest_finished.emit(report)
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -444,8 +533,8 @@ class MainWindow(QMainWindow):
 
     def _show_settings_in_status(self) -> None:
         s = self.settings
-        self.status_method.setText(f"Method: {METHOD_LABELS[s.method]}")
-        self.status_k.setText(f"K = {s.k}")
+        self.status_method.setText(f"Method: {method_label(s.method)}")
+        self.status_k.setText(f"K ≤ {s.k} (adaptive)" if s.adaptive_k else f"K = {s.k}")
         self.status_k.setVisible(s.method != "ar")
 
     def _show_answer_plots(self, index: int) -> None:
@@ -534,6 +623,8 @@ class MainWindow(QMainWindow):
             self._answer.request.cancel.set()
             self._save_partial()
         self.compare.stop()
+        if self._selftest is not None:
+            self._selftest.cancel.set()
         stored = self._qsettings()
         stored.setValue("geometry", self.saveGeometry())
         stored.setValue("splitter", self.splitter.saveState())
@@ -548,6 +639,8 @@ def _title_from(text: str) -> str:
 
 def _meta_line(settings: AppSettings, summary: Summary | None) -> str:
     method = settings.method if settings.method == "ar" else f"{settings.method}, K={settings.k}"
+    if settings.method != "ar" and settings.adaptive_k:
+        method += " (adaptive)"
     parts = [method, f"T={settings.temperature:g}"]
     if summary is not None:
         parts += [f"{summary.new_tokens} tokens", f"{summary.tokens_per_s:.1f} tok/s"]

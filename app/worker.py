@@ -1,9 +1,9 @@
 """The long-lived model thread: it owns the Engine, loads models and runs generations.
 
-The GUI talks to it only through queued signals (`request_load`, `request_generate`) and a
-per-request `threading.Event` for cancellation, which the engine checks between verification steps;
-the worker's own event loop is busy while a generation runs, so a queued "stop" slot would arrive
-too late. Everything it reports goes out as signals, delivered on the GUI thread.
+The GUI talks to it only through queued signals (`request_load`, `request_generate`,
+`request_selftest`) and a per-request `threading.Event` for cancellation, which the engine checks
+between verification steps; the worker's own event loop is busy while a generation runs, so a
+queued "stop" slot would arrive too late. Everything it reports goes out as signals, delivered on the GUI thread.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from engine.decode import GenerationConfig
 from engine.events import StepEvent, Summary, TokenEvent
+from engine.selftest import ChainVerifier, SelftestReport, run_selftest
 from engine.session import Engine, EngineError, ModelSettings
 
 from app.settings import needs_reload
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 Progress = Callable[[str, "float | None"], None]
 EngineFactory = Callable[[ModelSettings, Progress], Engine]
 
-_request_ids = itertools.count(1)
+SELFTEST_TRIALS = 65_536
 
 
 def load_engine(settings: ModelSettings, progress: Progress) -> Engine:
@@ -52,12 +53,29 @@ class GenerateRequest:
     model: ModelSettings
     messages: tuple[tuple[str, str], ...]  # (role, content)
     config: GenerationConfig
+    id: int  # from EngineWorker.new_request, unique per worker
     tag: str = "chat"
-    id: int = field(default_factory=lambda: next(_request_ids))
     cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
 
     def message_dicts(self) -> list[dict[str, str]]:
         return [{"role": role, "content": content} for role, content in self.messages]
+
+
+@dataclass(frozen=True)
+class SelftestRequest:
+    """An exactness self-test on the loaded engine (loading `model` first when needed).
+
+    `verify` replaces the chain verifier under test (None: the engine's own)."""
+
+    model: ModelSettings
+    id: int
+    trials: int = SELFTEST_TRIALS
+    verify: ChainVerifier | None = field(default=None, compare=False)
+    cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
+
+
+class _SelftestCancelled(Exception):
+    pass
 
 
 class EngineWorker(QObject):
@@ -72,17 +90,31 @@ class EngineWorker(QObject):
     summary = Signal(int, object)  # request id, Summary
     error = Signal(int, str)  # request id, message
     finished = Signal(int)  # request id; always the last signal of a request
+    selftest_progress = Signal(int, str, object)  # request id, message, fraction or None
+    selftest_done = Signal(int, object)  # request id, SelftestReport (a failed load reports FAIL)
 
     request_load = Signal(object)  # ModelSettings, queued to `load`
     request_generate = Signal(object)  # GenerateRequest, queued to `generate`
+    request_selftest = Signal(object)  # SelftestRequest, queued to `selftest`
 
     def __init__(self, factory: EngineFactory | None = None) -> None:
         super().__init__()
         self._factory = factory or load_engine
         self._engine: Engine | None = None
         self._engine_settings: ModelSettings | None = None
+        self._ids = itertools.count(1)
         self.request_load.connect(self.load)
         self.request_generate.connect(self.generate)
+        self.request_selftest.connect(self.selftest)
+
+    def next_id(self) -> int:
+        """A request id unique to this worker (every sender of its requests shares the sequence)."""
+        return next(self._ids)
+
+    def new_request(
+        self, model: ModelSettings, messages: tuple[tuple[str, str], ...], config: GenerationConfig, tag: str = "chat"
+    ) -> GenerateRequest:
+        return GenerateRequest(model, messages, config, self.next_id(), tag)
 
     @Slot(object)
     def load(self, settings: ModelSettings) -> None:
@@ -115,6 +147,31 @@ class EngineWorker(QObject):
             self.error.emit(request.id, f"{type(exc).__name__}: {exc}")
         finally:
             self.finished.emit(request.id)
+
+    @Slot(object)
+    def selftest(self, request: SelftestRequest) -> None:
+        def progress(message: str, fraction: float | None) -> None:
+            # run_selftest has no cancel flag, but calls this every few thousand trials
+            if request.cancel.is_set():
+                raise _SelftestCancelled
+            self.selftest_progress.emit(request.id, message, fraction)
+
+        try:
+            engine = self._engine
+            if needs_reload(self._engine_settings, request.model):
+                progress("Loading the models to test", None)
+                engine = self._load(request.model)
+                if isinstance(engine, str):
+                    report = SelftestReport(False, (f"FAIL could not load the models: {engine}",))
+                    self.selftest_done.emit(request.id, report)
+                    return
+            report = run_selftest(engine, trials=request.trials, verify=request.verify, progress=progress)
+        except _SelftestCancelled:
+            report = SelftestReport(False, ("FAIL cancelled before the checks finished",))
+        except Exception as exc:  # report, don't kill the thread the app depends on
+            log.exception("self-test failed")
+            report = SelftestReport(False, (f"FAIL the self-test stopped with {type(exc).__name__}: {exc}",))
+        self.selftest_done.emit(request.id, report)
 
     def _run(self, engine: Engine, request: GenerateRequest) -> None:
         batch: list[TokenEvent] = []

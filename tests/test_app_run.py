@@ -11,6 +11,7 @@ import pytest
 from PySide6.QtGui import QImage
 
 from app.main import parse_args
+from engine.advisor import measure_costs, predict
 from app.settings import AppSettings
 from engine.session import EngineError
 from tests.app_fixtures import app_dirs, make_window, send_and_wait, tiny_factory  # noqa: F401 (fixtures)
@@ -33,6 +34,18 @@ def test_compare_fills_both_panes_and_reports_identical_at_temperature_zero(qtbo
     assert result.baseline.method == "ar" and result.speculative.method == "draft"
     assert result.speedup is not None and result.speedup > 0
     assert "identical" in window.compare.result.text()
+    # adaptive K (the default) is used by the comparison too, and the outputs still match
+    steps = result.speculative_steps
+    assert len({s.k for s in steps if 30 - (s.new_tokens - s.emitted) - 1 >= 3}) > 1, [s.k for s in steps]
+    # predicted vs measured speedup, the prediction read off the engine's advisor
+    expected = predict(result.speculative.per_position_acceptance, measure_costs(steps), 16)
+    assert result.advice == expected
+    assert result.predicted_speedup == pytest.approx(expected.speedup[result.predicted_k - 1])
+    assert "predicted" in window.compare.result.text() and "measured" in window.compare.result.text()
+    # the comparison feeds the plot panel with the speculative run
+    assert window.plots.steps == steps
+    assert list(window.plots._k_curve.getData()[1]) == [s.k for s in steps]
+    assert "draft" in window.plots.summary.text()
 
 
 def test_compare_marks_differences(qtbot, make_window):
@@ -105,9 +118,9 @@ HEADLESS = (
 @pytest.mark.parametrize("compare", [False, True])
 def test_headless_main_saves_a_screenshot_and_exits_zero(app_dirs, tmp_path, compare):
     """The real entry point (qasync loop, flags) in its own process, on the tiny engine."""
-    out = tmp_path / "shot.png"
+    out, settings_out = tmp_path / "shot.png", tmp_path / "settings.png"
     argv = ["--prompt", "one two three", "--method", "draft", "-k", "3", "--max-new-tokens", "24",
-            "--screenshot", str(out)]
+            "--screenshot", str(out), "--screenshot-settings", str(settings_out)]
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
     run = subprocess.run(
         [sys.executable, "-c", HEADLESS, *argv, *(["--compare"] if compare else [])],
@@ -117,6 +130,8 @@ def test_headless_main_saves_a_screenshot_and_exits_zero(app_dirs, tmp_path, com
     assert out.stat().st_size > 10_000
     image = QImage(str(out))
     assert image.width() >= 1200 and image.height() >= 800
+    dialog = QImage(str(settings_out))  # the settings dialog with the advisor's curve
+    assert dialog.width() >= 800 and settings_out.stat().st_size > 10_000
 
 
 def test_headless_main_fails_with_a_message(app_dirs, tmp_path):
@@ -132,6 +147,18 @@ def test_headless_main_fails_with_a_message(app_dirs, tmp_path):
 
 def test_parse_args():
     args = parse_args(["--prompt", "hi", "--compare", "--screenshot", "x.png", "--method", "draft", "-k", "5"])
-    assert (args.prompt, args.compare, args.method, args.k) == ("hi", True, "draft", 5)
+    assert (args.prompt, args.compare, args.method, args.k, args.adaptive_k) == ("hi", True, "draft", 5, None)
+    assert parse_args(["--method", "medusa", "--no-adaptive-k"]).method == "medusa"  # checked after load
+    assert parse_args(["--no-adaptive-k"]).adaptive_k is False
     with pytest.raises(SystemExit):
         parse_args(["-k", "40"])
+
+
+def test_headless_main_rejects_a_method_the_models_do_not_offer(app_dirs, tmp_path):
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
+    run = subprocess.run(
+        [sys.executable, "-c", HEADLESS, "--prompt", "hi", "--method", "medusa", "--max-new-tokens", "4"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 1
+    assert "'medusa' is not available" in run.stderr and "ar, lookup, draft, tree" in run.stderr

@@ -43,17 +43,21 @@ from app.plots import AdvisorPanel
 
 # The engine says which methods a loaded pair offers (Engine.methods); these only name the known ones.
 METHOD_LABELS = {
+    "auto": "Best available (EAGLE heads for the default model)",
     "ar": "Plain autoregressive (no drafting)",
     "draft": "Draft model",
     "lookup": "Prompt lookup",
     "tree": "Token tree (draft model)",
-    "eagle": "EAGLE heads",
+    "eagle": "EAGLE heads (dynamic tree)",
+    "eagle_chain": "EAGLE heads (chain)",
     "medusa": "Medusa heads",
 }
 # Methods that need no second model: a configured draft model is only loaded for the others.
-TARGET_ONLY_METHODS = frozenset({"ar", "lookup"})
+TARGET_ONLY_METHODS = frozenset({"auto", "ar", "lookup", "eagle", "eagle_chain", "medusa"})
+# Resolved by the worker to the loaded engine's best method (Engine.default_method).
+AUTO_METHOD = "auto"
 # Offered before any engine has reported its own list (e.g. settings opened before the first load).
-FALLBACK_METHODS: tuple[str, ...] = ("ar", "lookup", "draft")
+FALLBACK_METHODS: tuple[str, ...] = ("auto", "ar", "lookup", "draft")
 _METHOD_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 
 
@@ -67,7 +71,7 @@ MAX_K = 16
 @dataclass(frozen=True)
 class AppSettings:
     target: str = "default"
-    method: str = "lookup"
+    method: str = "auto"
     draft: str = ""  # model source for method "draft"; empty = none
     k: int = 4
     temperature: float = 0.0

@@ -7,7 +7,7 @@ import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.advisor import Advice, measure_costs, predict
+from engine.advisor import Advice, drafting_share, measure_costs, predict
 from engine.events import StepEvent
 
 ROLLING_STEPS = 16
@@ -91,7 +91,7 @@ def advise(events: Sequence[StepEvent], k_max: int = 16) -> Advice | None:
     and draft/verify timings); None when nothing was drafted, so there is nothing to measure."""
     if not any(e.drafted for e in events):
         return None
-    return predict(step_series(events).per_position, measure_costs(events), k_max)
+    return predict(step_series(events).per_position, measure_costs(events), k_max, drafting_share(events))
 
 
 def speedup_at(advice: Advice, k: int) -> float:

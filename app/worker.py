@@ -8,6 +8,7 @@ queued "stop" slot would arrive too late. Everything it reports goes out as sign
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -21,7 +22,7 @@ from engine.events import StepEvent, Summary, TokenEvent
 from engine.selftest import ChainVerifier, SelftestReport, run_selftest
 from engine.session import Engine, EngineError, ModelSettings
 
-from app.settings import needs_reload
+from app.settings import AUTO_METHOD, needs_reload
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class EngineWorker(QObject):
                 if isinstance(engine, str):
                     self.error.emit(request.id, f"Could not load the model: {engine}")
                     return
-            if request.config.method not in engine.methods:
+            if request.config.method not in (AUTO_METHOD, *engine.methods):
                 self.error.emit(
                     request.id,
                     f"Method '{request.config.method}' is not available with the loaded models "
@@ -175,7 +176,10 @@ class EngineWorker(QObject):
 
     def _run(self, engine: Engine, request: GenerateRequest) -> None:
         batch: list[TokenEvent] = []
-        for event in engine.chat(request.message_dicts(), request.config, request.cancel):
+        config = request.config
+        if config.method == AUTO_METHOD:
+            config = dataclasses.replace(config, method=engine.default_method)
+        for event in engine.chat(request.message_dicts(), config, request.cancel):
             if isinstance(event, TokenEvent):
                 batch.append(event)
                 continue
@@ -208,7 +212,7 @@ class EngineWorker(QObject):
             LoadInfo(
                 settings=settings,
                 description=engine.describe(),
-                methods=tuple(engine.methods),
+                methods=(AUTO_METHOD, *engine.methods),
                 compat_ok=None if report is None else bool(report.ok),
                 compat_lines=() if report is None else tuple(report.lines),
             )

@@ -50,13 +50,19 @@ def expected_tokens(per_position: Sequence[float], k: int) -> float:
     return 1.0 + sum(prefix_acceptance(per_position, k))
 
 
-def predict(per_position: Sequence[float], costs: Costs, k_max: int = 16) -> Advice:
+def predict(per_position: Sequence[float], costs: Costs, k_max: int = 16, drafting_share: float = 1.0) -> Advice:
+    """drafting_share: the fraction of steps where the drafter proposed anything (prompt lookup
+    often finds no match); the other steps emit one token, so E(K) shrinks to 1 + share * (E - 1)."""
     ar_rate = 1.0 / costs.verify_s(1)
     ks = tuple(range(1, k_max + 1))
-    expected = tuple(expected_tokens(per_position, k) for k in ks)
-    speedup = tuple(
-        (e / (k * costs.draft_s_per_token + costs.verify_s(k + 1))) / ar_rate for k, e in zip(ks, expected)
-    )
+    expected = tuple(1.0 + drafting_share * (expected_tokens(per_position, k) - 1.0) for k in ks)
+    def step_s(k: int) -> float:
+        # a drafting step pays K draft steps and a K+1 verify; a step with no draft, a plain verify
+        return drafting_share * (k * costs.draft_s_per_token + costs.verify_s(k + 1)) + (
+            1.0 - drafting_share
+        ) * costs.verify_s(1)
+
+    speedup = tuple((e / step_s(k)) / ar_rate for k, e in zip(ks, expected))
     best = max(range(len(ks)), key=lambda i: speedup[i])
     return Advice(ks, expected, speedup, ks[best])
 
@@ -74,3 +80,7 @@ def measure_costs(steps: Sequence[StepEvent]) -> Costs:
     slope = max(sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var, 0.0) if var else 0.0
     base = max(mean_y - slope * mean_x, 1e-9)
     return Costs(draft_s, base, slope)
+
+
+def drafting_share(steps: Sequence[StepEvent]) -> float:
+    return sum(1 for s in steps if s.drafted) / len(steps) if steps else 0.0

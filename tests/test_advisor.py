@@ -36,3 +36,12 @@ def test_measure_costs_fits_a_line():
     assert costs.draft_s_per_token == pytest.approx(0.002)
     assert costs.verify_per_token_s == pytest.approx(0.002)
     assert costs.verify_base_s == pytest.approx(0.01)
+
+
+def test_steps_without_drafts_shrink_the_prediction():
+    costs = Costs(draft_s_per_token=0.0, verify_base_s=0.010, verify_per_token_s=0.0)
+    always = predict([0.5, 0.25], costs, k_max=2)
+    half = predict([0.5, 0.25], costs, k_max=2, drafting_share=0.5)
+    assert always.expected_tokens[1] == pytest.approx(1.75)
+    assert half.expected_tokens[1] == pytest.approx(1.375)
+    assert half.speedup[1] == pytest.approx(1.375)

@@ -10,7 +10,7 @@ from PySide6.QtCore import Qt
 
 from app.settings import AppSettings, SettingsDialog
 from app.worker import EngineWorker
-from engine.advisor import measure_costs, predict
+from engine.advisor import drafting_share, measure_costs, predict
 from engine.decode import next_draft_length
 from engine.events import StepEvent
 from tests.app_fixtures import app_dirs, make_window, send_and_wait, tiny_factory  # noqa: F401 (fixtures)
@@ -52,7 +52,7 @@ def test_adaptive_k_follows_the_schedule_and_the_plot_gets_k_points(qtbot, make_
     # the advisor in the settings dialog measures exactly that answer
     dialog = window.settings_dialog()
     qtbot.addWidget(dialog)
-    expected = predict(per_position_acceptance(steps), measure_costs(steps), 16)
+    expected = predict(per_position_acceptance(steps), measure_costs(steps), 16, drafting_share(steps))
     assert dialog.advisor.advice == expected
 
     window.apply_settings(AppSettings(method="draft", draft="tiny", k=4, max_new_tokens=N_TOKENS, adaptive_k=False))
@@ -76,7 +76,7 @@ def synthetic_steps() -> list[StepEvent]:
 
 def test_settings_dialog_advisor_matches_engine_advisor_and_applies_k(qtbot):
     steps = synthetic_steps()
-    expected = predict(per_position_acceptance(steps), measure_costs(steps), 16)
+    expected = predict(per_position_acceptance(steps), measure_costs(steps), 16, drafting_share(steps))
     assert expected.best_k not in (1, 2, 16)  # an interior optimum, distinct from the K set below
     dialog = SettingsDialog(AppSettings(k=2), steps=tuple(steps), steps_source="a test answer")
     qtbot.addWidget(dialog)

@@ -11,7 +11,7 @@ import pytest
 from PySide6.QtGui import QImage
 
 from app.main import parse_args
-from engine.advisor import measure_costs, predict
+from engine.advisor import drafting_share, measure_costs, predict
 from app.settings import AppSettings
 from engine.session import EngineError
 from tests.app_fixtures import app_dirs, make_window, send_and_wait, tiny_factory  # noqa: F401 (fixtures)
@@ -38,7 +38,7 @@ def test_compare_fills_both_panes_and_reports_identical_at_temperature_zero(qtbo
     steps = result.speculative_steps
     assert len({s.k for s in steps if 30 - (s.new_tokens - s.emitted) - 1 >= 3}) > 1, [s.k for s in steps]
     # predicted vs measured speedup, the prediction read off the engine's advisor
-    expected = predict(result.speculative.per_position_acceptance, measure_costs(steps), 16)
+    expected = predict(result.speculative.per_position_acceptance, measure_costs(steps), 16, drafting_share(steps))
     assert result.advice == expected
     assert result.predicted_speedup == pytest.approx(expected.speedup[result.predicted_k - 1])
     assert "predicted" in window.compare.result.text() and "measured" in window.compare.result.text()

@@ -144,6 +144,8 @@ def generate(
     eos = set(eos_ids)
     detok = IncrementalDetokenizer(tokenizer, ids)
 
+    # a tree drafter's k is the tree depth; both steps return the same StepResult
+    step_with_drafter = tree_step if isinstance(drafter, TreeDrafter) else speculative_step
     start = time.perf_counter()
     target.prefill(ids)
     if drafter:
@@ -165,10 +167,10 @@ def generate(
             break
         # never draft past max_new_tokens: the step emits up to k + 1 tokens
         k = min(draft_length, config.max_new_tokens - len(new_ids) - 1)
-        if k > 0 and isinstance(drafter, TreeDrafter):
-            step = tree_step(target, drafter, ids, k, params, generator)  # k = tree depth
+        if k > 0 and drafter is not None:
+            step = step_with_drafter(target, drafter, ids, k, params, generator)
         else:
-            step = speculative_step(target, drafter if k > 0 else None, ids, k, params, generator)
+            step = speculative_step(target, None, ids, 0, params, generator)
         steps += 1
         drafted += step.drafted
         accepted += step.accepted

@@ -26,6 +26,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--trust-remote-code", action="store_true", help="run model code from the model's repo")
+    parser.add_argument("--offload", action="store_true",
+                        help="spread a target too large for the GPU over GPU and CPU memory (accelerate device_map=auto)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +107,7 @@ def load_engine(args: argparse.Namespace):
     from engine.session import Engine, EngineError, ModelSettings
 
     settings = ModelSettings(args.target, args.draft, tuple(args.drafter), args.device, args.dtype,
-                             args.trust_remote_code)
+                             args.trust_remote_code, args.offload)
     try:
         return Engine.load(settings, stderr_progress)
     except EngineError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 import platform
@@ -14,7 +15,13 @@ def _version(package: str) -> tuple[str, bool]:
     try:
         return importlib.metadata.version(package), True
     except importlib.metadata.PackageNotFoundError:
+        pass
+    # frozen bundles carry the modules without their package metadata
+    try:
+        module = importlib.import_module(package.lower() if package != "PySide6" else package)
+    except ImportError:
         return "not installed", False
+    return str(getattr(module, "__version__", "bundled")), True
 
 
 def diagnose() -> list[tuple[str, str, bool]]:

@@ -1,15 +1,20 @@
 """`speclens train-drafter`: train EAGLE-1 or Medusa-1 heads for a target by self-distillation.
 
-1. distil: the target answers each training prompt greedily (chat template); one more target pass
-   over prompt + answer gives its final hidden states (features) at every position.
+1. distil: the target answers the training prompts (chat template) in left-padded batches, greedily
+   and optionally also sampled at temperature 0.7; the same `generate` call returns the target's
+   final hidden states (features) at every fed position, so no second pass is needed.
 2. train: EAGLE regresses the next feature (smooth L1) and matches the target's next-token
    distribution through the target's LM head (cross-entropy, weight 0.1), with uniform noise on the
-   input features; Medusa head k learns token t+2+k from the feature at t (cross-entropy).
-3. evaluate: mean accepted length tau (emitted tokens / target passes, greedy) of tree decoding
-   with the trained heads on held-out prompts, written into a model card README.md.
+   input features; its decoder layer can start from the target's last layer. Medusa head k learns
+   token t+2+k from the feature at t (cross-entropy). Sequences are packed into steps of about
+   `tokens_per_step` tokens (block-diagonal causal attention), in bfloat16 autocast.
+3. evaluate: mean accepted length tau (emitted tokens / target passes, greedy) on held-out prompts,
+   for each decoding setup of the head (EAGLE: a chain and a dynamic tree; Medusa: a static tree),
+   written into a model card README.md.
 
-Stages are resumable: distilled data and a checkpoint (weights, optimiser, epoch) live in OUT and
-are picked up by a rerun with the same arguments. Output: config.json + model.safetensors.
+Stages are resumable: the distilled data (DATA, by default OUT/distilled.pt, saved after every
+batch) and a checkpoint (weights, optimiser, epoch) are picked up by a rerun with the same
+arguments. Output: config.json + model.safetensors + README.md + training.json.
 
 Only the standard library is imported at module level, so that `speclens --help` stays fast.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import time
@@ -25,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 KINDS = ("eagle", "medusa")
+SAMPLE_TEMPERATURE = 0.7  # temperature of the extra (sampled) distilled answers
 
 
 @dataclass(frozen=True)
@@ -33,20 +40,32 @@ class TrainOptions:
     target: str
     prompts: tuple[str, ...]
     out: str
-    max_prompts: int = 120
-    held_out: int = 12  # prompts kept for the tau evaluation
-    answer_tokens: int = 64  # length of the target's distilled answers
+    data: str = ""  # distilled data file, shareable between EAGLE and Medusa runs; "" = OUT/distilled.pt
+    max_prompts: int = 100_000
+    held_out: int = 20  # prompts kept for the tau evaluation
+    answer_tokens: int = 160  # length of the target's distilled answers
+    sampled_answers: int = 0  # extra answers per prompt, sampled at SAMPLE_TEMPERATURE
+    batch_size: int = 32  # prompts per distillation batch
     epochs: int = 10
-    lr: float = 5e-4
+    lr: float = 6e-4  # peak; linear warm-up over 5% of the steps, then cosine decay to 10%
+    tokens_per_step: int = 2048  # packed tokens per optimiser step
     feature_noise: float = 0.1  # EAGLE: uniform noise on input features, in units of their RMS
+    init_from_target: bool = False  # EAGLE: the decoder layer starts as a copy of the target's last layer
     medusa_heads: int = 4
-    depth: int = 5  # tree depth for the evaluation
-    top_k: int = 4  # EAGLE dynamic tree: children per expanded node and nodes expanded per depth
-    budget: int = 16  # EAGLE dynamic tree: nodes verified per step
-    eval_tokens: int = 64
-    threads: int = 1
+    medusa_layers: int = 1
+    medusa_tree_nodes: int = 24  # Medusa: nodes of the sparse tree built from the heads' measured accuracy
+    depth: int = 6  # EAGLE dynamic tree depth for the evaluation (Medusa: its number of heads)
+    top_k: int = 8  # EAGLE dynamic tree: children per expanded node and nodes expanded per depth
+    budget: int = 32  # EAGLE dynamic tree: nodes verified per step
+    chain: int = 4  # EAGLE chain length for the evaluation
+    eval_tokens: int = 128
+    threads: int = 2
     seed: int = 0
     dtype: str = "float32"
+
+    @property
+    def data_path(self) -> Path:
+        return Path(self.data) if self.data else Path(self.out) / "distilled.pt"
 
 
 def load_prompts(paths: tuple[str, ...]) -> list[str]:
@@ -78,197 +97,388 @@ def split_prompts(prompts: list[str], options: TrainOptions) -> tuple[list[str],
     return chosen[options.held_out :], chosen[: options.held_out]
 
 
-def distil(engine, prompts: list[str], options: TrainOptions, cache_path: Path) -> list[dict]:
-    """[{"tokens": [T] long, "features": [T, H]}]: the target's answers and hidden states."""
+# --- 1. distillation --------------------------------------------------------------------------
+
+
+def distil(model, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], options: TrainOptions) -> list[dict]:
+    """[{"prompt", "variant", "tokens" [T] long, "features" [T, H] bf16, "answer_start"}], one per
+    (prompt, variant); variant 0 is the greedy answer, 1.. are sampled ones. Resumable per batch."""
     import torch
     from tqdm import tqdm
 
-    from engine.decode import GenerationConfig
-    from engine.events import Summary
-
-    done: list[dict] = torch.load(cache_path, weights_only=True) if cache_path.exists() else []
-    model = engine.target.model
-    config = GenerationConfig(method="ar", max_new_tokens=options.answer_tokens, seed=options.seed)
-    for i in tqdm(range(len(done), len(prompts)), desc="distil (target answers)", initial=len(done),
-                  total=len(prompts)):
-        prompt_ids = engine.encode_chat([{"role": "user", "content": prompts[i]}])
-        summary = [e for e in engine.generate_ids(prompt_ids, config) if isinstance(e, Summary)][0]
-        ids = prompt_ids + list(summary.token_ids)
-        with torch.no_grad():  # not inference_mode: training reads these tensors
-            out = model(input_ids=torch.tensor([ids], device=engine.target.device), output_hidden_states=True)
-        done.append({"tokens": torch.tensor(ids), "features": out.hidden_states[-1][0].float().cpu(),
-                     "answer_start": torch.tensor(len(prompt_ids))})
-        if (i + 1) % 10 == 0 or i + 1 == len(prompts):
-            torch.save(done, cache_path)
+    path = options.data_path
+    done: list[dict] = torch.load(path, weights_only=True) if path.exists() else []
+    have = {(int(s["prompt"]), int(s["variant"])) for s in done}
+    batches = []  # (variant, [(prompt length, prompt index)]): one decoding mode per batch
+    for variant in range(1 + options.sampled_answers):
+        todo = sorted((len(ids), i) for i, ids in enumerate(prompt_ids) if (i, variant) not in have)  # little padding
+        batches += [(variant, todo[s : s + options.batch_size]) for s in range(0, len(todo), options.batch_size)]
+    bar = tqdm(batches, desc="distil (target answers + features)")
+    for variant, batch in bar:
+        start = time.perf_counter()
+        rows = _distil_batch(model, [prompt_ids[i] for _, i in batch], eos_ids, options, sample=variant > 0)
+        for (_, i), row in zip(batch, rows):
+            done.append({"prompt": torch.tensor(i), "variant": torch.tensor(variant), **row})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(done, path)
+        new = sum(int(r["tokens"].shape[0] - r["answer_start"]) for r in rows)
+        bar.set_postfix(answer_tok_per_s=f"{new / (time.perf_counter() - start):.0f}")
     return done
 
 
-def eagle_loss(head, sample: dict, embed: nn.Module, lm_head: nn.Module, noise: float) -> tuple[torch.Tensor, float]:
-    """Smooth L1 on the next feature + 0.1 x cross-entropy to the target's next-token distribution."""
+def _distil_batch(model, prompts: list[list[int]], eos_ids: tuple[int, ...], options: TrainOptions,
+                  sample: bool) -> list[dict]:
+    import torch
+
+    pad = eos_ids[0]
+    width = max(map(len, prompts))
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)  # [B, W], left padded
+    attention = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, W]
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention[row, width - len(ids) :] = 1
+    decoding = {"do_sample": True, "temperature": SAMPLE_TEMPERATURE, "top_k": 0, "top_p": 1.0} if sample else {
+        "do_sample": False}
+    with torch.no_grad():  # not inference_mode: training reads these tensors
+        out = model.generate(
+            input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
+            max_new_tokens=options.answer_tokens, pad_token_id=pad, eos_token_id=list(eos_ids),
+            output_hidden_states=True, return_dict_in_generate=True, **decoding,
+        )
+    # out.hidden_states: per generation step, per layer, [B, fed, H]; the last layer is what CachedModel keeps
+    features = torch.cat([step[-1] for step in out.hidden_states], dim=1)  # [B, W + steps - 1, H]
+    rows = []
+    for row, ids in enumerate(prompts):
+        offset = width - len(ids)
+        answer = out.sequences[row, width:].tolist()
+        end = next((j + 1 for j, token in enumerate(answer) if token in eos_ids), len(answer))
+        tokens = ids + answer[:end]
+        n = min(len(tokens), features.shape[1] - offset)  # the newest token was never fed: no feature
+        rows.append({"tokens": torch.tensor(tokens[:n]),
+                     "features": features[row, offset : offset + n].to(torch.bfloat16).cpu(),
+                     "answer_start": torch.tensor(len(ids))})
+    return rows
+
+
+# --- 2. training ------------------------------------------------------------------------------
+
+
+def pack(samples: list[dict], order: list[int], tokens_per_step: int) -> list[list[dict]]:
+    """Consecutive samples (in `order`) grouped into steps of at most tokens_per_step tokens (a
+    longer sample forms a step alone)."""
+    steps: list[list[dict]] = []
+    size = tokens_per_step
+    for i in order:
+        n = int(samples[i]["tokens"].shape[0])
+        if size + n > tokens_per_step:
+            steps.append([])
+            size = 0
+        steps[-1].append(samples[i])
+        size += n
+    return steps
+
+
+def _packed(step: list[dict]):
+    """Position ids of the concatenated per-sample inputs t = 0..T-2, the block-diagonal causal mask
+    over them and the answer region (inputs whose next-but-one token is drafted)."""
+    import torch
+
+    spans, positions, answer = [], [], []
+    for sample in step:
+        n = int(sample["tokens"].shape[0]) - 1
+        spans.append(n)
+        positions.append(torch.arange(n))
+        answer.append(torch.arange(n) >= int(sample["answer_start"]) - 2)
+    blocks = [torch.ones(n, n, dtype=torch.bool).tril() for n in spans]
+    return torch.cat(positions), torch.block_diag(*blocks), torch.cat(answer)  # [N], [N, N], [N]
+
+
+def eagle_loss(head, step: list[dict], embed, lm_head, noise: float, generator) -> tuple[torch.Tensor, float]:
+    """Smooth L1 on the next feature + 0.1 x cross-entropy to the target's next-token distribution
+    (the latter on the answer region only). Returns the loss and the top-1 agreement."""
     import torch
     from torch import nn
 
-    tokens, features = sample["tokens"], sample["features"]  # [T], [T, H]
-    n = tokens.shape[0] - 1
-    inputs = features[:-1]  # f_0..f_{T-2}
+    positions, mask, answer = _packed(step)
+    tokens = torch.cat([s["tokens"][1:] for s in step])  # [N]: token_{t+1}
+    inputs = torch.cat([s["features"][:-1] for s in step]).float()  # [N, H]: f_t
+    targets = torch.cat([s["features"][1:] for s in step]).float()  # [N, H]: f_{t+1}
     if noise:
         scale = inputs.pow(2).mean().sqrt()
-        inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise * scale
-    # the vocabulary-sized term only where drafting happens: the answer (and the token before it)
-    first = max(int(sample["answer_start"]) - 2, 0)
+        inputs = inputs + (torch.rand(inputs.shape, generator=generator) * 2 - 1) * noise * scale
     with torch.no_grad():
-        embeds = embed(tokens[1:])  # [n, H]: token_{i+1}
-        p_target = lm_head(features[1 + first :]).float().softmax(-1)  # [n - first, V]
-    predicted = head(embeds, inputs, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())  # [n, H]
-    regression = nn.functional.smooth_l1_loss(predicted, features[1:])
-    log_q = lm_head(predicted[first:]).float().log_softmax(-1)
+        embeds = embed(tokens)  # [N, H]
+        p_target = lm_head(targets[answer]).float().softmax(-1)  # [A, V]
+    predicted = head(embeds, inputs, positions, mask)  # [N, H]
+    regression = nn.functional.smooth_l1_loss(predicted.float(), targets)
+    log_q = lm_head(predicted[answer]).float().log_softmax(-1)  # [A, V]
     classification = -(p_target * log_q).sum(-1).mean()
     agreement = float((log_q.argmax(-1) == p_target.argmax(-1)).float().mean())
     return regression + 0.1 * classification, agreement
 
 
-def medusa_loss(heads, sample: dict) -> tuple[torch.Tensor, float]:
+def medusa_loss(heads, step: list[dict], lm_head, label_index: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Mean over heads of the cross-entropy of head k at feature t against token t+2+k, on the
+    answer region; lm_head scores the training vocabulary, label_index [V] maps token ids into it.
+    Returns the loss and the mean top-1 accuracy over heads."""
     import torch
     from torch import nn
 
-    tokens, features = sample["tokens"], sample["features"]
     losses, hits = [], []
     for k, head in enumerate(heads):
-        n = tokens.shape[0] - 2 - k  # feature at t predicts token t + 2 + k
-        if n <= 0:
+        feats, labels = [], []
+        for sample in step:
+            tokens, features = sample["tokens"], sample["features"]  # [T], [T, H]
+            first = max(int(sample["answer_start"]) - 2 - k, 0)
+            n = tokens.shape[0] - 2 - k  # features 0..n-1 have a label t + 2 + k
+            if n > first:
+                feats.append(features[first:n])
+                labels.append(tokens[first + 2 + k : n + 2 + k])
+        if not feats:
             continue
-        logits = head(features[:n])  # [n, V]
-        labels = tokens[2 + k : 2 + k + n]
-        losses.append(nn.functional.cross_entropy(logits, labels))
+        logits = heads.logits(head, torch.cat(feats).float(), lm_head)  # [M, V]
+        labels = label_index[torch.cat(labels)]  # [M], positions in the training vocabulary
+        losses.append(nn.functional.cross_entropy(logits.float(), labels))
         hits.append(float((logits.argmax(-1) == labels).float().mean()))
     return torch.stack(losses).mean(), sum(hits) / max(len(hits), 1)
 
 
-def train(head: nn.Module, samples: list[dict], options: TrainOptions, engine, checkpoint: Path) -> list[dict]:
+def medusa_rank_accuracy(heads, samples: list[dict], lm_head, ranks: int = 8) -> list[list[float]]:
+    """accuracy[k][r]: how often head k's rank-r token (full vocabulary) is token t+2+k, over the
+    answer regions of the samples."""
+    import torch
+
+    hits = torch.zeros(len(heads), ranks)
+    counts = torch.zeros(len(heads))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for sample in samples:
+            tokens, features = sample["tokens"], sample["features"].float()  # [T], [T, H]
+            for k, head in enumerate(heads):
+                first = max(int(sample["answer_start"]) - 2 - k, 0)
+                n = tokens.shape[0] - 2 - k
+                if n <= first:
+                    continue
+                top = heads.logits(head, features[first:n], lm_head).topk(ranks, dim=-1).indices  # [M, ranks]
+                labels = tokens[first + 2 + k : n + 2 + k]  # [M]
+                hits[k] += (top == labels[:, None]).float().sum(0)
+                counts[k] += labels.shape[0]
+    return (hits / counts.clamp(min=1)[:, None]).tolist()
+
+
+def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: Path) -> list[dict]:
     import torch
     from torch import nn
     from tqdm import tqdm
 
-    model = engine.target.model
-    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    embed = model.get_input_embeddings()
     for p in model.parameters():
         p.requires_grad_(False)
+    # The losses score only the tokens the distilled data contains (a few thousand of the
+    # vocabulary): the vocabulary projection dominates the cost, and the rest gets ~no target mass.
+    vocab = torch.unique(torch.cat([s["tokens"] for s in samples]))  # [S]
+    lm_head = nn.Linear(embed.embedding_dim, len(vocab), bias=False)
+    lm_head.weight = nn.Parameter(model.get_output_embeddings().weight[vocab].detach().clone(), requires_grad=False)
+    label_index = torch.full((model.get_output_embeddings().weight.shape[0],), -1, dtype=torch.long)  # [V]
+    label_index[vocab] = torch.arange(len(vocab))
     optimizer = torch.optim.AdamW(head.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    steps_per_epoch = len(pack(samples, list(range(len(samples))), options.tokens_per_step))
+    total = max(options.epochs * steps_per_epoch, 1)
+    warmup = max(total // 20, 1)
+
+    def lr_factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(total - warmup, 1)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     history: list[dict] = []
     start_epoch = 0
     if checkpoint.exists():
         state = torch.load(checkpoint, weights_only=True)
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
         start_epoch, history = int(state["epoch"]), json.loads(state["history"])
-    gen = random.Random(options.seed)
     head.train()
     for epoch in range(start_epoch, options.epochs):
         order = list(range(len(samples)))
-        gen.shuffle(order)
-        total = agree = 0.0
-        bar = tqdm(order, desc=f"train {options.kind} epoch {epoch + 1}/{options.epochs}")
-        for i in bar:
-            if options.kind == "eagle":
-                loss, agreement = eagle_loss(head, samples[i], embed, lm_head, options.feature_noise)
-            else:
-                loss, agreement = medusa_loss(head, samples[i])
+        random.Random(options.seed * 1000 + epoch).shuffle(order)
+        noise = torch.Generator().manual_seed(options.seed * 1000 + epoch)
+        steps = pack(samples, order, options.tokens_per_step)
+        loss_sum = agree_sum = 0.0
+        bar = tqdm(steps, desc=f"train {options.kind} epoch {epoch + 1}/{options.epochs}")
+        for step in bar:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                if options.kind == "eagle":
+                    loss, agreement = eagle_loss(head, step, embed, lm_head, options.feature_noise, noise)
+                else:
+                    loss, agreement = medusa_loss(head, step, lm_head, label_index)
             optimizer.zero_grad()
             loss.backward()
             nn.utils.clip_grad_norm_(head.parameters(), 0.5)
             optimizer.step()
-            total += float(loss.detach())
-            agree += agreement
+            scheduler.step()
+            loss_sum += float(loss.detach())
+            agree_sum += agreement
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1=f"{agreement:.2f}")
-        history.append({"epoch": epoch + 1, "loss": total / len(order), "top1": agree / len(order)})
-        torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1,
-                    "history": json.dumps(history)}, checkpoint)
+        history.append({"epoch": epoch + 1, "loss": loss_sum / len(steps), "top1": agree_sum / len(steps)})
+        torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "epoch": epoch + 1, "history": json.dumps(history)},
+                   checkpoint)
     head.eval()
     return history
 
 
-def drafter_for(kind: str, head: nn.Module, target: CachedModel, options: TrainOptions):
+def new_head(kind: str, model, options: TrainOptions):
+    import torch
+
+    config = model.config.get_text_config()
+    if kind == "eagle":
+        from engine.drafters.eagle import EagleHead
+
+        head = EagleHead.for_target(model.config).float()
+        if options.init_from_target:
+            head.layer.load_state_dict(model.model.layers[-1].state_dict())
+        return head
+    from engine.drafters.medusa import MedusaHeads
+
+    return MedusaHeads(config.hidden_size, config.vocab_size, num_heads=options.medusa_heads,
+                       num_layers=options.medusa_layers, shared_lm_head=True)
+
+
+# --- 3. evaluation ----------------------------------------------------------------------------
+
+
+def decoding_setups(kind: str, head, options: TrainOptions) -> dict[str, dict]:
+    """The decoding setups a head is evaluated with: name -> {"description", "shape", "depth"}."""
     from engine.tree import DEFAULT_TREE_PATHS, TreeShape
 
     if kind == "eagle":
+        chain = TreeShape.from_paths([(0,) * d for d in range(1, options.chain + 1)])
+        return {
+            "chain": {"description": f"EAGLE chain, K={options.chain}", "shape": chain, "depth": options.chain},
+            "tree": {"description": f"dynamic EAGLE-2-style tree, depth {options.depth}, top-k {options.top_k}, "
+                                    f"budget {options.budget} nodes", "shape": None, "depth": options.depth},
+        }
+    shape = TreeShape.from_paths(DEFAULT_TREE_PATHS).truncated(options.medusa_heads)
+    setups = {"tree": {"description": f"static Medusa tree (speclens DEFAULT_TREE_PATHS, {len(shape.parents)} nodes, "
+                                      f"depth {shape.depth})", "shape": shape, "depth": shape.depth}}
+    if head.config.get("medusa_choices"):
+        sparse = TreeShape.from_paths(head.config["medusa_choices"])
+        setups["sparse"] = {"description": f"static Medusa sparse tree of config.json medusa_choices "
+                                           f"({len(sparse.parents)} nodes, depth {sparse.depth})",
+                            "shape": sparse, "depth": sparse.depth}
+    return setups
+
+
+def drafter_for(kind: str, head, target, shape, options: TrainOptions):
+    if kind == "eagle":
         from engine.drafters.eagle import EagleDrafter
 
-        return EagleDrafter(head, target, None, top_k=options.top_k, budget=options.budget)
+        return EagleDrafter(head, target, shape, top_k=options.top_k, budget=options.budget)
     from engine.drafters.medusa import MedusaDrafter
 
-    return MedusaDrafter(head, target, TreeShape.from_paths(DEFAULT_TREE_PATHS).truncated(len(head)))
+    return MedusaDrafter(head, target, shape)
 
 
-def evaluate_tau(engine, head: nn.Module, prompts: list[str], options: TrainOptions) -> dict:
-    """Greedy tree decoding on held-out prompts: tau = emitted tokens / target passes."""
+def evaluate_tau(model, tokenizer, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], head,
+                 options: TrainOptions) -> dict[str, dict]:
+    """Greedy decoding on held-out prompts per decoding setup: tau = emitted tokens / target passes,
+    with the mean draft and verify time per step."""
     from tqdm import tqdm
 
     from engine.cache import CachedModel
     from engine.decode import GenerationConfig, generate
-    from engine.events import Summary
+    from engine.events import StepEvent, Summary
 
-    target = CachedModel(engine.target.model, engine.target_lm.n_vocab)
-    drafter = drafter_for(options.kind, head, target, options)
-    config = GenerationConfig(method=options.kind, k=options.depth, max_new_tokens=options.eval_tokens)
-    new = steps = 0
-    start = time.perf_counter()
-    for prompt in tqdm(prompts, desc="evaluate tau (held-out)"):
-        ids = engine.encode_chat([{"role": "user", "content": prompt}])
-        summary = [e for e in generate(target, engine.target.tokenizer, ids, config, drafter, engine.eos_ids)
-                   if isinstance(e, Summary)][0]
-        new += summary.new_tokens
-        steps += summary.steps
-    return {"tau": new / max(steps, 1), "tokens": new, "target_passes": steps, "prompts": len(prompts),
-            "seconds": time.perf_counter() - start}
-
-
-def new_head(kind: str, model, options: TrainOptions) -> nn.Module:
-    import torch
-
-    if kind == "eagle":
-        from engine.drafters.eagle import EagleHead
-
-        return EagleHead.for_target(model.config).float()
-    from engine.drafters.medusa import MedusaHeads
-
-    config = model.config.get_text_config()
-    heads = MedusaHeads(config.hidden_size, config.vocab_size, num_heads=options.medusa_heads)
-    with torch.no_grad():  # start each head from the target's LM head (Medusa's recipe)
-        for head in heads:
-            head[-1].weight.copy_(model.get_output_embeddings().weight)
-    return heads
+    results = {}
+    for name, setup in decoding_setups(options.kind, head, options).items():
+        target = CachedModel(model, len(tokenizer))
+        drafter = drafter_for(options.kind, head, target, setup["shape"], options)
+        config = GenerationConfig(method=options.kind, k=setup["depth"], max_new_tokens=options.eval_tokens)
+        new = steps = 0
+        draft_s = verify_s = 0.0
+        start = time.perf_counter()
+        for ids in tqdm(prompt_ids, desc=f"evaluate tau, {name} (held-out)"):
+            for event in generate(target, tokenizer, ids, config, drafter, eos_ids):
+                if isinstance(event, StepEvent):
+                    draft_s += event.draft_s
+                    verify_s += event.verify_s
+                elif isinstance(event, Summary):
+                    new += event.new_tokens
+                    steps += event.steps
+        results[name] = {"description": setup["description"], "tau": new / max(steps, 1), "tokens": new,
+                         "target_passes": steps, "prompts": len(prompt_ids),
+                         "draft_ms_per_step": 1000 * draft_s / max(steps, 1),
+                         "verify_ms_per_step": 1000 * verify_s / max(steps, 1),
+                         "seconds": time.perf_counter() - start}
+    return results
 
 
-def write_card(out: Path, options: TrainOptions, n_train: int, n_held: int, history: list[dict], tau: dict,
-               target_name: str) -> None:
+def write_card(out: Path, options: TrainOptions, n_train: int, n_held: int, n_samples: int, n_tokens: int,
+               n_steps: int, history: list[dict], tau: dict[str, dict], target_name: str, command: str) -> None:
     last = history[-1] if history else {}
     kind = "EAGLE-1" if options.kind == "eagle" else "Medusa-1"
-    tree = (f"dynamic EAGLE-2-style tree, depth {options.depth}, top-k {options.top_k}, budget {options.budget} nodes"
-            if options.kind == "eagle" else f"static Medusa tree (speclens default shape), depth <= {options.depth}")
+    rows = "\n".join(
+        f"| **tau on held-out prompts, {r['description']}** | **{r['tau']:.3f}** ({r['tokens']} tokens in {r['target_passes']} target "
+        f"passes over {r['prompts']} prompts; draft {r['draft_ms_per_step']:.1f} ms, verify "
+        f"{r['verify_ms_per_step']:.1f} ms per step) |"
+        for r in tau.values()
+    )
+    sampled = (f" plus {options.sampled_answers} answer(s) sampled at temperature {SAMPLE_TEMPERATURE}"
+               if options.sampled_answers else "")
+    architecture = ("one Llama decoder layer over fc([embed(token); feature]); "
+                    + ("layer initialised from the target's last layer" if options.init_from_target else
+                       "random initialisation")
+                    if options.kind == "eagle" else
+                    f"{options.medusa_heads} heads of {options.medusa_layers} residual block(s), sharing the "
+                    "target's LM head")
+    prompt_files = ", ".join(Path(p).name for p in options.prompts)
     text = f"""# {kind} draft head for {target_name}
 
-Trained by `speclens train-drafter` (self-distillation): the target answered {n_train} training prompts
-greedily (up to {options.answer_tokens} tokens each), and the head learned from the target's own hidden
-states and next-token distributions. Prompts: {', '.join(options.prompts)} (Self-Instruct,
-Apache-2.0); {n_held} prompts were held out for evaluation.
+Trained by `speclens train-drafter` (self-distillation): the target answered {n_train} training
+prompts with the chat template, greedily{sampled} (up to {options.answer_tokens} new tokens each),
+and the head learned from the target's own final hidden states and next-token distributions.
+Prompts: {prompt_files} (Self-Instruct, Apache-2.0); {n_held} other prompts of the same files were
+held out for the evaluation below.
 
 | | |
 |---|---|
-| kind | {options.kind} |
+| kind | {options.kind}: {architecture} |
 | target | {target_name} |
 | training prompts / held-out | {n_train} / {n_held} |
-| epochs, learning rate | {options.epochs}, {options.lr} |
+| distilled sequences / tokens (prompt + answer) | {n_samples} / {n_tokens} |
+| epochs, optimiser steps, tokens per step | {options.epochs}, {n_steps}, {options.tokens_per_step} |
+| peak learning rate (warm-up + cosine) | {options.lr} |
 | final training loss | {last.get('loss', float('nan')):.4f} |
 | final training top-1 agreement with the target | {last.get('top1', float('nan')):.3f} |
-| **tau on held-out prompts** (greedy, {tree}) | **{tau['tau']:.3f}** ({tau['tokens']} tokens in {tau['target_passes']} target passes over {tau['prompts']} prompts) |
+{rows}
 
-tau = emitted tokens / target verification passes (counts the bonus/correction token; plain decoding
-has tau = 1). Greedy output is identical to plain decoding by construction.
+tau = emitted tokens / target verification passes, greedy (temperature 0), chat template, up to
+{options.eval_tokens} new tokens per prompt; it counts the bonus/correction token, so plain decoding
+has tau = 1. Greedy output is identical to plain decoding by construction. Times are per decoding
+step on CPU (float32) and depend on the machine.
+
+Reproduce (from the repository root):
+
+```
+{command}
+```
 
 Files: `config.json`, `model.safetensors` (head weights only; the target's embedding and LM head are
-reused). Options: `{json.dumps(asdict(options))}`.
+reused), `training.json` (per-epoch loss and the evaluation). Options (paths shortened to their
+last part): `{json.dumps(_neutral(options))}`.
 """
     (out / "README.md").write_text(text, encoding="utf-8")
+
+
+def _neutral(options: TrainOptions) -> dict:
+    """The options with every path cut to its last part (a card must not name this machine's folders)."""
+    values = asdict(options)
+    values["prompts"] = [Path(p).name for p in options.prompts]
+    values["out"] = Path(options.out).name
+    values["data"] = Path(options.data).name if options.data else ""
+    return values
 
 
 def run(options: TrainOptions) -> dict:
@@ -284,15 +494,44 @@ def run(options: TrainOptions) -> dict:
     prompts = load_prompts(options.prompts)
     train_prompts, held_out = split_prompts(prompts, options)
     engine = Engine(load_model(options.target, LoadOptions(device="cpu", dtype=options.dtype)))
-    samples = distil(engine, train_prompts, options, out / "distilled.pt")
-    head = new_head(options.kind, engine.target.model, options)
-    history = train(head, samples, options, engine, out / "checkpoint.pt")
+    model, tokenizer = engine.target.model, engine.target.tokenizer
+    encode = [engine.encode_chat([{"role": "user", "content": p}]) for p in train_prompts]
+    samples = distil(model, encode, engine.eos_ids, options)
+    head = new_head(options.kind, model, options)
+    history = train(head, samples, options, model, out / "checkpoint.pt")
+    if options.kind == "medusa":
+        from engine.drafters.medusa import sparse_tree_paths
+
+        accuracy = medusa_rank_accuracy(head, samples[:: max(len(samples) // 40, 1)], model.get_output_embeddings())
+        head.config["medusa_rank_accuracy"] = [[round(a, 4) for a in row] for row in accuracy]
+        head.config["medusa_choices"] = [list(p) for p in sparse_tree_paths(accuracy, options.medusa_tree_nodes)]
     head.save(out)
-    tau = evaluate_tau(engine, head, held_out, options)
-    write_card(out, options, len(train_prompts), len(held_out), history, tau, engine.target.name)
+    held_ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in held_out]
+    tau = evaluate_tau(model, tokenizer, held_ids, engine.eos_ids, head, options)
+    n_steps = options.epochs * len(pack(samples, list(range(len(samples))), options.tokens_per_step))
+    n_tokens = sum(int(s["tokens"].shape[0]) for s in samples)
+    write_card(out, options, len(train_prompts), len(held_out), len(samples), n_tokens, n_steps, history, tau,
+               engine.target.name, _command(options))
     result = {"tau": tau, "history": history}
     (out / "training.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def _command(options: TrainOptions) -> str:
+    """The `speclens train-drafter` command line of these options, with neutral paths."""
+    defaults = asdict(TrainOptions(options.kind, options.target, (), ""))
+    values = _neutral(options)
+    words = ["speclens train-drafter", f"--kind {options.kind}"]
+    words += [f"--prompts data/self-instruct/{name}" for name in values["prompts"]]
+    words += [f"--out {values['out']}"] + ([f"--data {values['data']}"] if options.data else [])
+    for name, value in values.items():
+        if name in ("kind", "prompts", "out", "data", "dtype") or value == defaults[name]:
+            continue
+        if name == "init_from_target":
+            words.append("--init-from-target")
+        else:
+            words.append(f"--{name.replace('_', '-')} {value}")
+    return " ".join(words)
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -300,21 +539,24 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default")
     parser.add_argument("--prompts", action="append", required=True, help="a .jsonl or text file (repeatable)")
     parser.add_argument("--out", required=True, help="output folder (also holds resumable state)")
+    parser.add_argument("--data", default="", help="distilled data file (default OUT/distilled.pt); "
+                        "an EAGLE and a Medusa run with the same prompts can share it")
     defaults = TrainOptions("eagle", "", (), "")
-    for name in ("max_prompts", "held_out", "answer_tokens", "epochs", "medusa_heads", "depth", "top_k", "budget",
+    for name in ("max_prompts", "held_out", "answer_tokens", "sampled_answers", "batch_size", "epochs",
+                 "tokens_per_step", "medusa_heads", "medusa_layers", "medusa_tree_nodes", "depth", "top_k", "budget", "chain",
                  "eval_tokens", "threads", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--feature-noise", type=float, default=defaults.feature_noise)
+    parser.add_argument("--init-from-target", action="store_true",
+                        help="EAGLE: start the decoder layer as a copy of the target's last layer")
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    options = TrainOptions(
-        kind=args.kind, target=args.target, prompts=tuple(args.prompts), out=args.out,
-        max_prompts=args.max_prompts, held_out=args.held_out, answer_tokens=args.answer_tokens, epochs=args.epochs,
-        lr=args.lr, feature_noise=args.feature_noise, medusa_heads=args.medusa_heads, depth=args.depth,
-        top_k=args.top_k, budget=args.budget, eval_tokens=args.eval_tokens, threads=args.threads, seed=args.seed,
-    )
+    names = [f for f in TrainOptions.__dataclass_fields__ if f not in ("kind", "target", "prompts", "out")]
+    options = TrainOptions(kind=args.kind, target=args.target, prompts=tuple(args.prompts), out=args.out,
+                           **{name: getattr(args, name) for name in names if name != "dtype"})
     result = run(options)
-    print(f"tau on held-out prompts: {result['tau']['tau']:.3f} -> {options.out}", file=sys.stderr)
+    for name, r in result["tau"].items():
+        print(f"tau on held-out prompts, {name}: {r['tau']:.3f} -> {options.out}", file=sys.stderr)
     return 0

@@ -43,3 +43,12 @@ def test_multi_turn_reuses_cache_and_stays_exact(engine):
     engine.target_lm.reset()
     cold = summary_of(engine, ids, "ar", n=24)
     assert warm.token_ids == cold.token_ids
+
+
+def test_every_method_greedy_equals_plain_decoding(engine):
+    assert {"eagle", "eagle_chain", "medusa"} <= set(engine.methods)  # the shipped heads load
+    ids = engine.encode_chat([{"role": "user", "content": "List the days of the week."}])
+    plain = summary_of(engine, ids, "ar", n=48)
+    for method in engine.methods:
+        result = summary_of(engine, ids, method, k=4, n=48)
+        assert result.token_ids == plain.token_ids, method

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
+from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from engine.cache import CachedModel
+from engine.cache import CachedModel, new_cache
 from engine.sampling import SamplingParams, process_logits
 from engine.tree import DraftModelTreeDrafter, DraftTree, TreeShape, ancestor_path, node_depths, tree_attention
 
@@ -46,15 +46,17 @@ class EagleHead(nn.Module):
         return cls(LlamaConfig(**values))
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        """embeds, features [T, H]; position_ids [T]; mask [T, T] bool (True = may attend) -> [T, H]."""
+                mask: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
+        """embeds, features [T, H]; position_ids [T]; mask [T, P + T] bool (True = may attend), where P
+        is the number of entries already in `cache` (0 without one) -> [T, H]. With a cache, the T new
+        keys and values are appended to it."""
         x = self.fc(torch.cat([embeds, features], dim=-1))[None]  # [1, T, H]
         additive = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(
             ~mask.to(x.device), torch.finfo(x.dtype).min
-        )
-        positions = position_ids[None].to(x.device)
+        )  # [T, P + T]
+        positions = position_ids[None].to(x.device)  # [1, T]
         out = self.layer(
-            x, attention_mask=additive[None, None], position_ids=positions,
+            x, attention_mask=additive[None, None], position_ids=positions, cache=cache, use_cache=cache is not None,
             position_embeddings=self.rotary(x, positions),
         )
         return out[0]
@@ -85,33 +87,38 @@ class EagleDrafter(DraftModelTreeDrafter):
     """A token tree from an EAGLE head (dynamic EAGLE-2-style tree, or a static shape).
 
     Keeps the target's features for the committed positions (the target CachedModel is switched to
-    keep_hidden). Per proposal the head runs once per depth over the context plus the partial tree
-    (tree attention; position = prefix length + depth), memoising each node's predicted feature.
+    keep_hidden) and a KV cache of the head's decoder layer. Cache entry i holds the head's keys and
+    values for the input (f_i, token_{i+1}), so it stays valid while ids[: i + 2] are unchanged; a
+    proposal first rolls the cache back to what is still valid (a crop), feeds the committed
+    positions it lacks, then feeds each depth's new tree nodes (tree attention over the committed
+    entries and their ancestors; position = prefix length + depth), and finally crops the tree off.
+    Drafting therefore costs O(new tokens) per step, not O(context).
     """
 
     def __init__(self, head: EagleHead, target: CachedModel, shape: TreeShape | None = None,
-                 top_k: int = 4, budget: int = 16, window: int = 512, name: str = "eagle"):
+                 top_k: int = 4, budget: int = 16, name: str = "eagle"):
         super().__init__(target, shape, top_k=top_k, budget=budget, name=name)
         self.head = head.to(target.device, next(target.model.parameters()).dtype).eval()
         self.target = target
-        self.window = window  # the head attends to at most this many committed positions
         self.features: torch.Tensor | None = None  # [n, H] target features of positions 0..n-1
         self.feature_ids: list[int] = []
-        self._features = self.features
+        self.cache = new_cache(self.head.config)  # the head layer's keys and values
+        self.cache_ids: list[int] = []  # ids[: n + 1] for n committed cache entries
         self._f_hat: dict[int, torch.Tensor] = {}  # per proposal: node -> its predicted feature [H]
+        self._fed: list[int] = []  # per proposal: tree nodes in the cache, in cache order after the committed
         target.keep_hidden = True
 
     def prefill(self, ids: list[int]) -> None:
-        self._sync(ids)
+        if len(ids) >= 3:  # the last committed entry is left for the first proposal, which needs its output
+            self._feed_committed(ids[:-1], self._sync(ids))
 
     def commit(self, ids: list[int]) -> None:
-        pass  # features are synced from the target at the next proposal
+        pass  # features and the head cache are synced to the committed ids at the next proposal
 
     def _sync(self, ids: list[int]) -> torch.Tensor:
         """Target features [len(ids) - 1, H] of positions 0..len(ids)-2 (what the target caches)."""
         want = ids[:-1]
-        have = next((i for i, (a, b) in enumerate(zip(self.feature_ids, want)) if a != b),
-                    min(len(self.feature_ids), len(want)))
+        have = _common_prefix(self.feature_ids, want)
         fresh = self.target.hidden_at(have, len(want))
         if fresh is None or self.target.cached_ids[: len(want)] != want:
             # the target's latest forward did not cover the gap: re-feed it (the cache stays ids[:-1])
@@ -123,49 +130,77 @@ class EagleDrafter(DraftModelTreeDrafter):
         self.feature_ids = list(want)
         return self.features
 
+    @torch.inference_mode()
+    def _feed_committed(self, ids: list[int], features: torch.Tensor) -> torch.Tensor:
+        """Make the cache hold the committed entries 0..len(ids)-2 (features [>= len(ids) - 1, H]),
+        feeding at least the last one; returns the head outputs [fed, H] of the fed entries."""
+        n = len(ids) - 1  # entries wanted
+        valid = min(max(_common_prefix(self.cache_ids, ids) - 1, 0), n - 1)
+        self._crop(valid)
+        device = self.target.device
+        embeds = self.target.model.get_input_embeddings()(torch.tensor(ids[valid + 1 :], device=device))  # [n - valid, H]
+        mask = torch.ones(n - valid, n, dtype=torch.bool).tril(valid)  # [new, cached + new], causal
+        out = self.head(embeds, features[valid:n].to(embeds.dtype), torch.arange(valid, n), mask, self.cache)
+        self.cache_ids = list(ids)
+        return out  # [n - valid, H]
+
+    def _crop(self, n: int) -> None:
+        """Keep the first n entries of the head's cache."""
+        drop = self.cache.get_seq_length() - n
+        if drop > 0:
+            self.cache.crop(-drop)
+
     def propose_tree(self, ids: list[int], depth: int, params: SamplingParams,
                      generator: torch.Generator | None) -> DraftTree:
         if len(ids) < 2:  # no target feature yet: propose the root alone (a plain step)
             return DraftTree(torch.tensor(ids[-1:], device=self.target.device), (-1,), None)
-        self._features = self._sync(ids)
-        self._f_hat = {}
-        return super().propose_tree(ids, depth, params, generator)
+        features = self._sync(ids)
+        self._f_hat = {0: self._feed_committed(ids, features)[-1]}  # the root's: f_hat_{L-1}
+        self._fed = []
+        try:
+            return super().propose_tree(ids, depth, params, generator)
+        finally:
+            self._crop(len(ids) - 1)  # drop the tree: committed entries only
 
     @torch.inference_mode()
     def _draft_scores(self, ids: list[int], tokens: list[int], parents: list[int], nodes: list[int],
                       params: SamplingParams) -> torch.Tensor:
         """Processed head logits [len(nodes), V] at the given tree nodes (root = the context's end)."""
+        self._feed_tree(ids, tokens, parents)
         lm = self.target.model
-        embed, lm_head = lm.get_input_embeddings(), lm.get_output_embeddings()
-        start = max(0, len(ids) - 1 - self.window)
-        context_f = self._features[start:]  # [C, H], positions start..L-2
-        context_x = embed(torch.tensor(ids[start + 1 :], device=self.target.device))  # [C, H]: the next tokens
-        n_ctx = context_f.shape[0]
-        # non-root nodes read the predicted feature of their parent (memoised from earlier depths)
-        tree_nodes = [n for n in range(1, len(tokens)) if n in self._f_hat or parents[n] in self._f_hat]
-        tree_f = [self._f_hat[parents[n]] for n in tree_nodes]
-        tree_x = embed(torch.tensor([tokens[n] for n in tree_nodes], dtype=torch.long, device=self.target.device))
-        features = torch.cat([context_f, torch.stack(tree_f)]) if tree_nodes else context_f
-        embeds = torch.cat([context_x, tree_x]) if tree_nodes else context_x
-        n = n_ctx + len(tree_nodes)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        mask[:, :n_ctx] = True
-        mask[:n_ctx, :n_ctx] = torch.ones(n_ctx, n_ctx, dtype=torch.bool).tril()
-        ancestors = tree_attention(parents)  # [N, N]
-        index = torch.tensor(tree_nodes, dtype=torch.long)
-        if tree_nodes:
-            mask[n_ctx:, n_ctx:] = ancestors[index][:, index]
-        depths = node_depths(parents)
-        positions = torch.cat([torch.arange(start, start + n_ctx),
-                               torch.tensor([len(ids) - 2 + depths[m] for m in tree_nodes], dtype=torch.long)])
-        out = self.head(embeds, features.to(embeds.dtype), positions, mask)  # [n, H]
-        self._f_hat[0] = out[n_ctx - 1]
-        for row, node in enumerate(tree_nodes):
-            self._f_hat[node] = out[n_ctx + row]
-        logits = lm_head(torch.stack([self._f_hat[m] for m in nodes]))[:, : self.target.n_vocab]  # [len(nodes), V]
+        logits = lm.get_output_embeddings()(torch.stack([self._f_hat[m] for m in nodes]))[:, : self.target.n_vocab]
+        logits = logits.float()  # [len(nodes), V]
+        if params.repetition_penalty == 1.0:  # no history-dependent processing: one batched call
+            history = torch.tensor(ids, device=logits.device)
+            return process_logits(logits, params, history, history[:0])  # the block only matters to the penalty
         empty = torch.zeros(0, dtype=torch.long, device=logits.device)
         rows = []
         for i, node in enumerate(nodes):
             history = torch.tensor(ids + [tokens[m] for m in ancestor_path(parents, node)], device=logits.device)
-            rows.append(process_logits(logits[i : i + 1].float(), params, history, empty)[0])
+            rows.append(process_logits(logits[i : i + 1], params, history, empty)[0])
         return torch.stack(rows)  # [len(nodes), V]
+
+    def _feed_tree(self, ids: list[int], tokens: list[int], parents: list[int]) -> None:
+        """Feed the tree nodes whose parent's feature is known and which are not fed yet, memoising
+        their predicted features; each attends to the committed entries, its fed ancestors and itself."""
+        new = [n for n in range(1, len(tokens)) if n not in self._f_hat and parents[n] in self._f_hat]
+        if not new:
+            return
+        device = self.target.device
+        n_ctx, fed = len(ids) - 1, self._fed + new  # fed: tree nodes in cache order after this step
+        ancestors = tree_attention(parents)  # [N, N]
+        mask = torch.ones(len(new), n_ctx + len(fed), dtype=torch.bool)  # [new, committed + fed]
+        mask[:, n_ctx:] = ancestors[torch.tensor(new)][:, torch.tensor(fed)]
+        depths = node_depths(parents)
+        embeds = self.target.model.get_input_embeddings()(torch.tensor([tokens[n] for n in new], device=device))
+        features = torch.stack([self._f_hat[parents[n]] for n in new])  # [new, H]
+        positions = torch.tensor([n_ctx - 1 + depths[n] for n in new])  # [new]
+        out = self.head(embeds, features, positions, mask, self.cache)  # [new, H]
+        for row, node in enumerate(new):
+            self._f_hat[node] = out[row]
+        self._fed = fed
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)

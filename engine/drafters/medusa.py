@@ -9,6 +9,8 @@ verified as one-hot drafts.
 Checkpoint layout (as published): config.json with medusa_num_heads, medusa_num_layers,
 base_model_name_or_path; weights in medusa_lm_head.pt (loaded with weights_only=True) or
 model.safetensors, keys "{head}.{layer}.linear.weight|bias" and "{head}.{medusa_num_layers}.weight".
+With "medusa_shared_lm_head": true in config.json the heads reuse the target's LM head (no
+"{head}.{medusa_num_layers}.weight" keys), which keeps small-target checkpoints small.
 """
 
 from __future__ import annotations
@@ -36,30 +38,46 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.ModuleList):
-    def __init__(self, hidden: int, vocab: int, num_heads: int = 4, num_layers: int = 1):
+    """Head i: num_layers ResBlocks, then a vocabulary projection, either its own (as published:
+    key "{i}.{num_layers}.weight") or, with shared_lm_head, the target's LM head passed to forward
+    (config "medusa_shared_lm_head": true; the checkpoint then holds only the residual blocks)."""
+
+    def __init__(self, hidden: int, vocab: int, num_heads: int = 4, num_layers: int = 1,
+                 shared_lm_head: bool = False):
         super().__init__(
-            nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)], nn.Linear(hidden, vocab, bias=False))
+            nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)],
+                          *([] if shared_lm_head else [nn.Linear(hidden, vocab, bias=False)]))
             for _ in range(num_heads)
         )
+        self.shared_lm_head = shared_lm_head
         self.config = {"medusa_num_heads": num_heads, "medusa_num_layers": num_layers, "hidden_size": hidden,
-                       "vocab_size": vocab}
+                       "vocab_size": vocab, "medusa_shared_lm_head": shared_lm_head}
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> logits [..., num_heads, V]."""
-        return torch.stack([head(hidden) for head in self], dim=-2)
+    def logits(self, head: nn.Module, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """One head's logits [..., V] from hidden [..., H]."""
+        if not self.shared_lm_head:
+            return head(hidden)
+        if lm_head is None:
+            raise ValueError("these Medusa heads share the target's LM head: pass it as lm_head")
+        return lm_head(head(hidden))
+
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., num_heads, V]; lm_head: the target's (needed if shared)."""
+        return torch.stack([self.logits(head, hidden, lm_head) for head in self], dim=-2)
 
     @classmethod
     def load(cls, folder: str | Path, hidden: int, vocab: int) -> MedusaHeads:
         folder = Path(folder)
         config = json.loads((folder / "config.json").read_text())
-        heads = cls(hidden, vocab, config["medusa_num_heads"], config.get("medusa_num_layers", 1))
+        heads = cls(hidden, vocab, config["medusa_num_heads"], config.get("medusa_num_layers", 1),
+                    shared_lm_head=bool(config.get("medusa_shared_lm_head", False)))
         if (folder / "model.safetensors").exists():
             from safetensors.torch import load_file
 
             state = load_file(folder / "model.safetensors")
         else:
             state = torch.load(folder / "medusa_lm_head.pt", map_location="cpu", weights_only=True)
-        heads.load_state_dict(state)
+        heads.load_state_dict({k: v.float() for k, v in state.items()})
         heads.config.update({k: v for k, v in config.items() if k not in heads.config})
         return heads.eval()
 
@@ -70,6 +88,25 @@ class MedusaHeads(nn.ModuleList):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text(json.dumps(self.config, indent=2))
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, folder / "model.safetensors")
+
+
+def sparse_tree_paths(accuracy: list[list[float]], n_nodes: int) -> list[tuple[int, ...]]:
+    """Medusa's sparse tree: n_nodes paths chosen greedily by expected acceptance, where
+    accuracy[d][r] is how often head d's rank-r candidate is the right token at depth d + 1 (a path's
+    value is the product along it, assuming independent heads). Children get ranks 0, 1, ... in order."""
+    chosen: list[tuple[int, ...]] = []
+    values = {(): 1.0}
+    children = {(): 0}  # path -> number of children chosen so far
+    while len(chosen) < n_nodes:
+        candidates = [(values[p] * accuracy[len(p)][children[p]], p + (children[p],)) for p in values
+                      if len(p) < len(accuracy) and children[p] < len(accuracy[len(p)])]
+        if not candidates:
+            break
+        value, path = max(candidates)
+        chosen.append(path)
+        values[path], children[path] = value, 0
+        children[path[:-1]] += 1
+    return chosen
 
 
 class MedusaDrafter:
@@ -100,7 +137,8 @@ class MedusaDrafter:
         hidden = self.target.hidden_at(len(ids) - 2, len(ids) - 1)  # [1, H]: its logits chose ids[-1]
         if hidden is None:
             return DraftTree(torch.tensor([ids[-1]], device=self.target.device), (-1,), None)
-        logits = self.heads(hidden[0].to(next(self.heads.parameters()).dtype))[:, : self.target.n_vocab]  # [heads, V]
+        lm_head = self.target.model.get_output_embeddings()
+        logits = self.heads(hidden[0].to(next(self.heads.parameters()).dtype), lm_head)[:, : self.target.n_vocab]  # [heads, V]
         history = torch.tensor(ids, device=logits.device)
         scores = process_logits(logits.float(), params, history, history[:0])  # [heads, V]; ranks only
         n_ranks = 1 + max(shape.ranks)

@@ -330,8 +330,6 @@ def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: P
 
 
 def new_head(kind: str, model, options: TrainOptions):
-    import torch
-
     config = model.config.get_text_config()
     if kind == "eagle":
         from engine.drafters.eagle import EagleHead

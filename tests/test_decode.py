@@ -2,7 +2,6 @@ import random
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from engine.cache import CachedModel
 from engine.decode import GenerationConfig, generate, speculative_step
@@ -11,7 +10,7 @@ from engine.drafters.draft_model import DraftModelDrafter
 from engine.drafters.lookup import PromptLookupDrafter, lookup
 from engine.events import StepEvent, Summary, TokenEvent
 from engine.sampling import SamplingParams
-from tests.tiny import tiny_llama, tiny_tokenizer
+from tests.tiny import assert_cache_matches_fresh_prefill, tiny_llama, tiny_tokenizer
 
 PROMPT = "one two three four five six one two three four"
 
@@ -147,16 +146,6 @@ def test_stop_string_cuts_text(target_model):
     assert cut.text == full.text[: full.text.index(stop)]
 
 
-def _assert_cache_matches_fresh_prefill(model, lm: CachedModel):
-    fresh = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([lm.cached_ids]), cache=fresh, use_cache=True)
-    for ours, ref in zip(lm._cache.layers, fresh.layers):
-        assert ours.keys.shape == ref.keys.shape
-        torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-4)
-
-
 def test_cache_consistent_over_random_rollbacks(target_model):
     rng = random.Random(0)
     lm = CachedModel(target_model)
@@ -172,7 +161,7 @@ def test_cache_consistent_over_random_rollbacks(target_model):
         lm.truncate(len(ids) - 1)
         assert lm.cached_ids == ids[:-1]
         if round_ % 100 == 99:
-            _assert_cache_matches_fresh_prefill(target_model, lm)
+            assert_cache_matches_fresh_prefill(target_model, lm)
         if len(ids) > 300:
             ids = ids[:20]
             lm.truncate(lm.common_prefix(ids))
@@ -195,8 +184,8 @@ def test_speculative_steps_keep_both_caches_committed(target_model, draft_model)
             ids = prompt_ids()
             target.prefill(ids)
             drafter.prefill(ids)
-    _assert_cache_matches_fresh_prefill(target_model, target)
-    _assert_cache_matches_fresh_prefill(draft_model, draft)
+    assert_cache_matches_fresh_prefill(target_model, target)
+    assert_cache_matches_fresh_prefill(draft_model, draft)
 
 
 def test_lookup_finds_latest_longest_match():

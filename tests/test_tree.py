@@ -1,6 +1,5 @@
 import pytest
 import torch
-from transformers import DynamicCache
 
 import engine.verify
 from engine.cache import TREE_SLOT, CachedModel
@@ -17,7 +16,7 @@ from engine.tree import (
     tree_attention,
 )
 from engine.verify import verify_tree, verify_tree_greedy
-from tests.tiny import tiny_llama, tiny_tokenizer
+from tests.tiny import assert_cache_matches_fresh_prefill, tiny_llama, tiny_tokenizer
 
 PROMPT = "one two three four five six one two three four"
 MEDUSA_PATHS = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -145,16 +144,6 @@ def _plain_logits(model, ids):
         return model(input_ids=torch.tensor([ids])).logits[0, -1]
 
 
-def _assert_cache_matches_fresh_prefill(model, lm: CachedModel):
-    fresh = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([lm.cached_ids]), cache=fresh, use_cache=True)
-    for ours, ref in zip(lm._cache.layers, fresh.layers):
-        assert ours.keys.shape == ref.keys.shape
-        torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-4)
-
-
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("warm", [False, True])
 def test_tree_logits_equal_plain_model_on_each_path(target_model, attn, warm):
@@ -197,7 +186,7 @@ def test_keeping_a_path_equals_fresh_prefill(target_model):
         ids = ids + [tokens[i] for i in path] + [int(torch.randint(vocab, (), generator=gen))]
         assert lm.cached_ids == ids[:-1]
         if round_ % 10 == 9:
-            _assert_cache_matches_fresh_prefill(target_model, lm)
+            assert_cache_matches_fresh_prefill(target_model, lm)
     # a plain forward after tree steps continues the same cache correctly
     torch.testing.assert_close(lm.forward(ids, [], 1)[0], _plain_logits(target_model, ids), atol=1e-4, rtol=1e-4)
 
@@ -281,4 +270,4 @@ def test_tree_steps_keep_caches_committed_and_events_consistent(target_model, dr
                 assert t.p_draft is not None and t.p_target > 0
             if t.source == "bonus":
                 assert t.p_draft is None
-        _assert_cache_matches_fresh_prefill(target_model, target)
+        assert_cache_matches_fresh_prefill(target_model, target)

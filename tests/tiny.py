@@ -6,7 +6,7 @@ import functools
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from engine.models import LoadedModel
 from engine.session import Engine
@@ -84,3 +84,14 @@ def make_tiny_engine(draft: bool = True, target_seed: int = 0, draft_seed: int =
     target = loaded(tiny_llama(target_seed), "tiny-target")
     drafter = loaded(tiny_llama(draft_seed, layers=1), "tiny-draft") if draft else None
     return Engine(target, drafter)
+
+
+def assert_cache_matches_fresh_prefill(model, lm) -> None:
+    """The KV cache of a CachedModel equals a fresh prefill of exactly the ids it claims to hold."""
+    fresh = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([lm.cached_ids]), cache=fresh, use_cache=True)
+    for ours, ref in zip(lm._cache.layers, fresh.layers):
+        assert ours.keys.shape == ref.keys.shape
+        torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-4)

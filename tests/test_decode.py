@@ -10,7 +10,7 @@ from engine.drafters.draft_model import DraftModelDrafter
 from engine.drafters.lookup import PromptLookupDrafter, lookup
 from engine.events import StepEvent, Summary, TokenEvent
 from engine.sampling import SamplingParams
-from tests.tiny import assert_cache_matches_fresh_prefill, tiny_llama, tiny_tokenizer
+from tests.tiny import assert_cache_matches_fresh_prefill, hf_greedy, tiny_llama, tiny_tokenizer
 
 PROMPT = "one two three four five six one two three four"
 
@@ -24,13 +24,6 @@ def run(target, drafter, config, eos_ids=(), prompt=None):
     summary = events[-1]
     assert isinstance(summary, Summary)
     return events, summary
-
-
-def hf_greedy(model, ids, n):
-    out = model.generate(
-        torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None
-    )
-    return out[0, len(ids):].tolist()
 
 
 @pytest.fixture(scope="module")

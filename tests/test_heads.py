@@ -8,7 +8,7 @@ from engine.drafters.medusa import MedusaDrafter, MedusaHeads
 from engine.events import Summary, TokenEvent
 from engine.sampling import SamplingParams
 from engine.tree import TreeShape
-from tests.tiny import tiny_llama, tiny_tokenizer
+from tests.tiny import hf_greedy, tiny_llama, tiny_tokenizer
 
 PROMPT = "one two three four five six one two three four"
 PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
@@ -22,11 +22,6 @@ def _run(target, drafter, config):
     events = list(generate(target, tiny_tokenizer(), _prompt_ids(), config, drafter))
     assert isinstance(events[-1], Summary)
     return events, events[-1]
-
-
-def _hf_greedy(model, ids, n):
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, len(ids):].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +41,7 @@ def _random_medusa(model, seed=3, num_heads=4):
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_medusa_greedy_equality(target_model, k):
     n = 40
-    reference = _hf_greedy(target_model, _prompt_ids(), n)
+    reference = hf_greedy(target_model, _prompt_ids(), n)
     target = CachedModel(target_model)
     drafter = MedusaDrafter(_random_medusa(target_model), target, TreeShape.from_paths(PATHS))
     _, summary = _run(target, drafter, GenerationConfig(method="medusa", k=k, max_new_tokens=n))
@@ -101,7 +96,7 @@ def test_medusa_shared_lm_head_roundtrip_and_greedy_equality(tmp_path, target_mo
     target = CachedModel(target_model)
     drafter = MedusaDrafter(loaded, target, TreeShape.from_paths(PATHS))
     _, summary = _run(target, drafter, GenerationConfig(method="medusa", k=3, max_new_tokens=n))
-    assert list(summary.token_ids) == _hf_greedy(target_model, _prompt_ids(), n)
+    assert list(summary.token_ids) == hf_greedy(target_model, _prompt_ids(), n)
 
 
 def _random_eagle(model, seed=4):
@@ -117,7 +112,7 @@ def _random_eagle(model, seed=4):
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_eagle_greedy_equality(target_model, k):
     n = 40
-    reference = _hf_greedy(target_model, _prompt_ids(), n)
+    reference = hf_greedy(target_model, _prompt_ids(), n)
     for shape in (None, TreeShape.from_paths(PATHS)):
         target = CachedModel(target_model)
         drafter = EagleDrafter(_random_eagle(target_model), target, shape, top_k=3, budget=10)

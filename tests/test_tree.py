@@ -16,7 +16,7 @@ from engine.tree import (
     tree_attention,
 )
 from engine.verify import verify_tree, verify_tree_greedy
-from tests.tiny import assert_cache_matches_fresh_prefill, tiny_llama, tiny_tokenizer
+from tests.tiny import assert_cache_matches_fresh_prefill, hf_greedy, tiny_llama, tiny_tokenizer
 
 PROMPT = "one two three four five six one two three four"
 MEDUSA_PATHS = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -216,11 +216,6 @@ def _run(target, drafter, config, eos_ids=()):
     return events, events[-1]
 
 
-def _hf_greedy(model, ids, n):
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, len(ids):].tolist()
-
-
 @pytest.fixture(scope="module")
 def draft_model():
     return tiny_llama(seed=1, layers=1)
@@ -236,7 +231,7 @@ def _tree_drafters(draft_model):
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_tree_greedy_equality(target_model, draft_model, k):
     n = 40
-    reference = _hf_greedy(target_model, _prompt_ids(), n)
+    reference = hf_greedy(target_model, _prompt_ids(), n)
     for drafter in _tree_drafters(draft_model):
         _, summary = _run(CachedModel(target_model), drafter, GenerationConfig(k=k, max_new_tokens=n))
         assert list(summary.token_ids) == reference

@@ -95,3 +95,9 @@ def assert_cache_matches_fresh_prefill(model, lm) -> None:
         assert ours.keys.shape == ref.keys.shape
         torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-4)
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """HF generate's greedy continuation of ids (n tokens, no EOS stop): the reference output."""
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(ids):].tolist()

@@ -41,3 +41,13 @@ class Drafter(Protocol):
 
 def empty_draft(device: torch.device | str = "cpu") -> Draft:
     return Draft(tokens=torch.empty(0, dtype=torch.long, device=device), probs=None)
+
+
+class StatelessDrafter:
+    """Base for drafters that keep nothing between steps: prefill and commit have nothing to do."""
+
+    def prefill(self, ids: list[int]) -> None:
+        pass
+
+    def commit(self, ids: list[int]) -> None:
+        pass

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.drafters import Draft
+from engine.drafters import Draft, StatelessDrafter
 from engine.sampling import SamplingParams
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(StatelessDrafter):
     name = "lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
@@ -16,12 +16,6 @@ class PromptLookupDrafter:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
-
-    def prefill(self, ids: list[int]) -> None:
-        pass
-
-    def commit(self, ids: list[int]) -> None:
-        pass
 
     def propose(
         self, ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None

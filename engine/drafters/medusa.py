@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from engine.cache import CachedModel
+from engine.drafters import StatelessDrafter
 from engine.sampling import SamplingParams, process_logits
 from engine.tree import DraftTree, TreeShape, node_depths
 
@@ -109,7 +110,7 @@ def sparse_tree_paths(accuracy: list[list[float]], n_nodes: int) -> list[tuple[i
     return chosen
 
 
-class MedusaDrafter:
+class MedusaDrafter(StatelessDrafter):
     """Proposes a static tree from Medusa heads applied to the target's hidden state.
 
     Reads the target's final hidden state at the last cached position (the target CachedModel is
@@ -122,12 +123,6 @@ class MedusaDrafter:
         self.shape = shape
         self.name = name
         target.keep_hidden = True
-
-    def prefill(self, ids: list[int]) -> None:
-        pass
-
-    def commit(self, ids: list[int]) -> None:
-        pass
 
     @torch.inference_mode()
     def propose_tree(

@@ -17,11 +17,11 @@ import torch
 
 from engine.cache import CachedModel
 from engine.decode import speculative_step
-from engine.drafters import Draft
+from engine.drafters import Draft, StatelessDrafter
 from engine.sampling import SamplingParams
 
 
-class SyntheticDrafter:
+class SyntheticDrafter(StatelessDrafter):
     name = "synthetic"
 
     def __init__(self, reference: Sequence[int], acceptance: float, vocab: int, seed: int = 0):
@@ -33,12 +33,6 @@ class SyntheticDrafter:
         self.acceptance = acceptance
         self.vocab = vocab
         self.rng = random.Random(seed)
-
-    def prefill(self, ids: list[int]) -> None:
-        pass
-
-    def commit(self, ids: list[int]) -> None:
-        pass
 
     def propose(
         self, ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None

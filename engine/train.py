@@ -139,25 +139,32 @@ def _distil_batch(model, prompts: list[list[int]], eos_ids: tuple[int, ...], opt
         attention[row, width - len(ids) :] = 1
     decoding = {"do_sample": True, "temperature": SAMPLE_TEMPERATURE, "top_k": 0, "top_p": 1.0} if sample else {
         "do_sample": False}
-    with torch.no_grad():  # not inference_mode: training reads these tensors
+    with torch.inference_mode():
         out = model.generate(
             input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
-            max_new_tokens=options.answer_tokens, pad_token_id=pad, eos_token_id=list(eos_ids),
-            output_hidden_states=True, return_dict_in_generate=True, **decoding,
+            max_new_tokens=options.answer_tokens, pad_token_id=pad, eos_token_id=list(eos_ids), **decoding,
         )
-    # out.hidden_states: per generation step, per layer, [B, fed, H]; the last layer is what CachedModel keeps
-    features = torch.cat([step[-1] for step in out.hidden_states], dim=1)  # [B, W + steps - 1, H]
-    rows = []
+    sequences = []
     for row, ids in enumerate(prompts):
-        offset = width - len(ids)
-        answer = out.sequences[row, width:].tolist()
+        answer = out[row, width:].tolist()
         end = next((j + 1 for j, token in enumerate(answer) if token in eos_ids), len(answer))
-        tokens = ids + answer[:end]
-        n = min(len(tokens), features.shape[1] - offset)  # the newest token was never fed: no feature
-        rows.append({"tokens": torch.tensor(tokens[:n]),
-                     "features": features[row, offset : offset + n].to(torch.bfloat16).cpu(),
-                     "answer_start": torch.tensor(len(ids))})
-    return rows
+        sequences.append(ids + answer[:end])
+    # Features from one teacher-forced forward (right padded, so positions need no shifting): much
+    # cheaper than collecting every layer's hidden states during generate. The newest token of a
+    # sequence is never fed while decoding, so it gets no feature here either.
+    length = max(map(len, sequences)) - 1
+    fed = torch.full((len(sequences), length), pad, dtype=torch.long)  # [B, L]
+    fed_mask = torch.zeros(len(sequences), length, dtype=torch.long)  # [B, L]
+    for row, tokens in enumerate(sequences):
+        fed[row, : len(tokens) - 1] = torch.tensor(tokens[:-1])
+        fed_mask[row, : len(tokens) - 1] = 1
+    with torch.no_grad():  # not inference_mode: training reads these tensors
+        hidden = model(input_ids=fed.to(model.device), attention_mask=fed_mask.to(model.device),
+                       output_hidden_states=True).hidden_states[-1]  # [B, L, H], what CachedModel keeps
+    return [{"tokens": torch.tensor(tokens[:-1]),
+             "features": hidden[row, : len(tokens) - 1].to(torch.bfloat16).cpu(),
+             "answer_start": torch.tensor(len(prompts[row]))}
+            for row, tokens in enumerate(sequences)]
 
 
 # --- 2. training ------------------------------------------------------------------------------

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cache import CachedModel
-from engine.decode import speculative_step
 from engine.drafters import Draft, StatelessDrafter
 from engine.sampling import SamplingParams
+
+if TYPE_CHECKING:  # the decoding loop needs transformers; packaging/gpu_bench.py needs only torch
+    from engine.cache import CachedModel
 
 
 class SyntheticDrafter(StatelessDrafter):
@@ -49,6 +51,8 @@ class SyntheticDrafter(StatelessDrafter):
 
 def greedy_reference(target: CachedModel, prompt_ids: Sequence[int], n: int) -> list[int]:
     """prompt_ids followed by the target's first n greedy tokens (through the engine's own step)."""
+    from engine.decode import speculative_step
+
     ids = list(prompt_ids)
     target.prefill(ids)
     params = SamplingParams()

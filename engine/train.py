@@ -51,6 +51,7 @@ class TrainOptions:
     tokens_per_step: int = 2048  # packed tokens per optimiser step
     feature_noise: float = 0.1  # EAGLE: uniform noise on input features, in units of their RMS
     init_from_target: bool = False  # EAGLE: the decoder layer starts as a copy of the target's last layer
+    draft_vocab: int = 8192  # EAGLE: draft only the N most frequent answer tokens (0: the whole vocabulary)
     medusa_heads: int = 4
     medusa_layers: int = 1
     medusa_tree_nodes: int = 24  # Medusa: nodes of the sparse tree built from the heads' measured accuracy
@@ -336,6 +337,17 @@ def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: P
     return history
 
 
+def draft_vocabulary(samples: list[dict], n: int) -> tuple[torch.Tensor, float]:
+    """The n most frequent tokens of the distilled answers (sorted ids [<= n]) and the share of
+    answer tokens they cover."""
+    import torch
+
+    answers = torch.cat([s["tokens"][int(s["answer_start"]) :] for s in samples])  # [A]
+    counts = torch.bincount(answers)  # [max id + 1]
+    keep = counts.argsort(descending=True)[: min(n, int((counts > 0).sum()))]
+    return keep.sort().values, float(counts[keep].sum()) / max(int(answers.numel()), 1)
+
+
 def new_head(kind: str, model, options: TrainOptions):
     config = model.config.get_text_config()
     if kind == "eagle":
@@ -421,7 +433,8 @@ def evaluate_tau(model, tokenizer, prompt_ids: list[list[int]], eos_ids: tuple[i
 
 
 def write_card(out: Path, options: TrainOptions, n_train: int, n_held: int, n_samples: int, n_tokens: int,
-               n_steps: int, history: list[dict], tau: dict[str, dict], target_name: str, command: str) -> None:
+               n_steps: int, history: list[dict], tau: dict[str, dict], target_name: str, command: str,
+               head_config=None) -> None:
     last = history[-1] if history else {}
     kind = "EAGLE-1" if options.kind == "eagle" else "Medusa-1"
     rows = "\n".join(
@@ -438,6 +451,10 @@ def write_card(out: Path, options: TrainOptions, n_train: int, n_held: int, n_sa
                     if options.kind == "eagle" else
                     f"{options.medusa_heads} heads of {options.medusa_layers} residual block(s), sharing the "
                     "target's LM head")
+    coverage = getattr(head_config, "speclens_draft_vocab_coverage", None) if head_config is not None else None
+    vocab_row = (f"| draft vocabulary | the {options.draft_vocab} most frequent tokens of the distilled answers "
+                 f"({coverage:.2%} of them); the target verifies over its whole vocabulary |\n"
+                 if coverage is not None else "")
     prompt_files = ", ".join(Path(p).name for p in options.prompts)
     text = f"""# {kind} draft head for {target_name}
 
@@ -457,7 +474,7 @@ held out for the evaluation below.
 | peak learning rate (warm-up + cosine) | {options.lr} |
 | final training loss | {last.get('loss', float('nan')):.4f} |
 | final training top-1 agreement with the target | {last.get('top1', float('nan')):.3f} |
-{rows}
+{vocab_row}{rows}
 
 tau = emitted tokens / target verification passes, greedy (temperature 0), chat template, up to
 {options.eval_tokens} new tokens per prompt; it counts the bonus/correction token, so plain decoding
@@ -510,13 +527,16 @@ def run(options: TrainOptions) -> dict:
         accuracy = medusa_rank_accuracy(head, samples[:: max(len(samples) // 40, 1)], model.get_output_embeddings())
         head.config["medusa_rank_accuracy"] = [[round(a, 4) for a in row] for row in accuracy]
         head.config["medusa_choices"] = [list(p) for p in sparse_tree_paths(accuracy, options.medusa_tree_nodes)]
+    if options.kind == "eagle" and options.draft_vocab:
+        head.draft_vocab, coverage = draft_vocabulary(samples, options.draft_vocab)
+        head.config.speclens_draft_vocab_coverage = round(coverage, 5)
     head.save(out)
     held_ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in held_out]
     tau = evaluate_tau(model, tokenizer, held_ids, engine.eos_ids, head, options)
     n_steps = options.epochs * len(pack(samples, list(range(len(samples))), options.tokens_per_step))
     n_tokens = sum(int(s["tokens"].shape[0]) for s in samples)
     write_card(out, options, len(train_prompts), len(held_out), len(samples), n_tokens, n_steps, history, tau,
-               engine.target.name, _command(options))
+               engine.target.name, _command(options), getattr(head, "config", None))
     result = {"tau": tau, "history": history}
     (out / "training.json").write_text(json.dumps(result, indent=2))
     return result
@@ -548,7 +568,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         "an EAGLE and a Medusa run with the same prompts can share it")
     defaults = TrainOptions("eagle", "", (), "")
     for name in ("max_prompts", "held_out", "answer_tokens", "sampled_answers", "batch_size", "epochs",
-                 "tokens_per_step", "medusa_heads", "medusa_layers", "medusa_tree_nodes", "depth", "top_k", "budget", "chain",
+                 "tokens_per_step", "draft_vocab", "medusa_heads", "medusa_layers", "medusa_tree_nodes", "depth", "top_k", "budget", "chain",
                  "eval_tokens", "threads", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)

@@ -146,6 +146,47 @@ def test_eagle_save_load_roundtrip(tmp_path, target_model):
         torch.testing.assert_close(loaded(x, f, torch.arange(5), mask), head(x, f, torch.arange(5), mask))
 
 
+def _draft_vocab_eagle(model):
+    head = _random_eagle(model)
+    head.draft_vocab = torch.arange(0, model.config.vocab_size, 3)  # a third of the vocabulary
+    return head
+
+
+def test_eagle_draft_vocabulary_keeps_greedy_equality_and_restricts_drafts(target_model):
+    n = 40
+    reference = hf_greedy(target_model, _prompt_ids(), n)
+    allowed = set(_draft_vocab_eagle(target_model).draft_vocab.tolist())
+    for shape in (None, TreeShape.from_paths(PATHS)):
+        target = CachedModel(target_model)
+        drafter = EagleDrafter(_draft_vocab_eagle(target_model), target, shape, top_k=3, budget=10)
+        _, summary = _run(target, drafter, GenerationConfig(method="eagle", k=3, max_new_tokens=n))
+        assert list(summary.token_ids) == reference
+        ids = _prompt_ids() + reference[:10]
+        target.prefill(ids)
+        drafter.prefill(ids)
+        for params in (SamplingParams(), SamplingParams(temperature=1.0)):
+            tree = drafter.propose_tree(ids, 3, params, torch.Generator().manual_seed(0))
+            assert len(tree) > 1 and set(tree.tokens[1:].tolist()) <= allowed
+            if tree.probs is not None:  # sampled drafts carry the restricted q they came from
+                outside = torch.ones(tree.probs.shape[-1], dtype=torch.bool)
+                outside[sorted(allowed)] = False
+                assert float(tree.probs[1:, outside].abs().max()) == 0.0
+                torch.testing.assert_close(tree.probs[1:].sum(-1), torch.ones(len(tree) - 1))
+
+
+def test_eagle_draft_vocabulary_survives_save_and_load(tmp_path, target_model):
+    head = _draft_vocab_eagle(target_model)
+    head.save(tmp_path / "eagle")
+    loaded = EagleHead.load(tmp_path / "eagle")
+    assert torch.equal(loaded.draft_vocab, head.draft_vocab)
+    assert EagleHead.load(_saved(tmp_path / "plain", _random_eagle(target_model))).draft_vocab is None
+
+
+def _saved(folder, head):
+    head.save(folder)
+    return folder
+
+
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_train_drafter_end_to_end_on_a_tiny_target(tmp_path, target_model, kind):
     import json
@@ -167,6 +208,15 @@ def test_train_drafter_end_to_end_on_a_tiny_target(tmp_path, target_model, kind)
         assert (out / name).exists(), name
     distilled = torch.load(out / "distilled.pt", weights_only=True)  # a greedy and a sampled answer per prompt
     assert sorted((int(s["prompt"]), int(s["variant"])) for s in distilled) == [(i, v) for i in range(5) for v in (0, 1)]
+    for sample in distilled[:3]:  # features: the target's final hidden states over the distilled tokens
+        with torch.inference_mode():
+            fresh = target_model(input_ids=sample["tokens"][None], output_hidden_states=True).hidden_states[-1][0]
+        torch.testing.assert_close(sample["features"].float(), fresh, atol=0.05, rtol=0.02)
+    if kind == "eagle":
+        vocab = EagleHead.load(out).draft_vocab
+        answers = {int(t) for s in distilled for t in s["tokens"][int(s["answer_start"]) :]}
+        assert vocab is not None and set(vocab.tolist()) == answers
+        assert "draft vocabulary" in (out / "README.md").read_text()
     record = json.loads((out / "training.json").read_text())
     assert len(record["history"]) == 2
     assert set(record["tau"]) == ({"chain", "tree"} if kind == "eagle" else {"tree", "sparse"})

@@ -7,7 +7,10 @@ with token x below a node whose predicted feature is f_hat reads fc([embed(x); f
 The target's embedding and LM head are reused, so a head checkpoint holds only fc and the layer.
 
 Checkpoint layout: config.json (a Llama decoder config of the target's width) + model.safetensors
-(or pytorch_model.bin, loaded with weights_only=True), keys "fc.*" and "layer.*".
+(or pytorch_model.bin, loaded with weights_only=True), keys "fc.*" and "layer.*", and optionally
+"draft_vocab" [N] (ours): the token ids the head may draft. Scoring only those rows of the LM head
+cuts the cost of each drafted tree level; exactness never depends on it (a draft token outside a
+target's favourites is simply rejected, and sampled drafts carry the restricted q they came from).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         self.layer = LlamaDecoderLayer(config, layer_idx=0)
         self.rotary = LlamaRotaryEmbedding(config)
+        self.draft_vocab: torch.Tensor | None = None  # [N] long: token ids the head drafts (None: all)
 
     @classmethod
     def for_target(cls, target_config) -> EagleHead:
@@ -71,7 +75,12 @@ class EagleHead(nn.Module):
             state = load_file(folder / "model.safetensors")
         else:
             state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        draft_vocab = state.pop("draft_vocab", None)
         head.load_state_dict(state)
+        if draft_vocab is not None:
+            if draft_vocab.dim() != 1 or not 0 < len(draft_vocab) <= head.config.vocab_size:
+                raise ValueError(f"draft_vocab must list 1..{head.config.vocab_size} token ids")
+            head.draft_vocab = draft_vocab.long()
         return head.eval()
 
     def save(self, folder: str | Path) -> None:
@@ -80,7 +89,10 @@ class EagleHead(nn.Module):
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text(self.config.to_json_string())
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, folder / "model.safetensors")
+        state = {k: v.contiguous() for k, v in self.state_dict().items()}
+        if self.draft_vocab is not None:
+            state["draft_vocab"] = self.draft_vocab.contiguous()
+        save_file(state, folder / "model.safetensors")
 
 
 class EagleDrafter(DraftModelTreeDrafter):
@@ -104,6 +116,14 @@ class EagleDrafter(DraftModelTreeDrafter):
         self.feature_ids: list[int] = []
         self.cache = new_cache(self.head.config)  # the head layer's keys and values
         self.cache_ids: list[int] = []  # ids[: n + 1] for n committed cache entries
+        lm_head = target.model.get_output_embeddings()
+        vocab = head.draft_vocab
+        if vocab is not None and vocab.numel() < target.n_vocab:
+            vocab = vocab[vocab < target.n_vocab].to(target.device)
+            bias = lm_head.bias[vocab] if getattr(lm_head, "bias", None) is not None else None
+            self._draft_rows = (vocab, lm_head.weight[vocab].detach().contiguous(), bias)  # [N], [N, H], [N]
+        else:
+            self._draft_rows = None
         self._f_hat: dict[int, torch.Tensor] = {}  # per proposal: node -> its predicted feature [H]
         self._fed: list[int] = []  # per proposal: tree nodes in the cache, in cache order after the committed
         target.keep_hidden = True
@@ -167,9 +187,7 @@ class EagleDrafter(DraftModelTreeDrafter):
                       params: SamplingParams) -> torch.Tensor:
         """Processed head logits [len(nodes), V] at the given tree nodes (root = the context's end)."""
         self._feed_tree(ids, tokens, parents)
-        lm = self.target.model
-        logits = lm.get_output_embeddings()(torch.stack([self._f_hat[m] for m in nodes]))[:, : self.target.n_vocab]
-        logits = logits.float()  # [len(nodes), V]
+        logits = self._logits(torch.stack([self._f_hat[m] for m in nodes]))  # [len(nodes), V]
         if params.repetition_penalty == 1.0:  # no history-dependent processing: one batched call
             history = torch.tensor(ids, device=logits.device)
             return process_logits(logits, params, history, history[:0])  # the block only matters to the penalty
@@ -179,6 +197,15 @@ class EagleDrafter(DraftModelTreeDrafter):
             history = torch.tensor(ids + [tokens[m] for m in ancestor_path(parents, node)], device=logits.device)
             rows.append(process_logits(logits[i : i + 1], params, history, empty)[0])
         return torch.stack(rows)  # [len(nodes), V]
+
+    def _logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Float logits [n, V] of predicted features [n, H]; outside the draft vocabulary -inf."""
+        if self._draft_rows is None:
+            return self.target.model.get_output_embeddings()(features)[:, : self.target.n_vocab].float()
+        vocab, weight, bias = self._draft_rows
+        logits = torch.full((features.shape[0], self.target.n_vocab), float("-inf"), device=features.device)
+        logits[:, vocab] = nn.functional.linear(features, weight, bias).float()
+        return logits
 
     def _feed_tree(self, ids: list[int], tokens: list[int], parents: list[int]) -> None:
         """Feed the tree nodes whose parent's feature is known and which are not fed yet, memoising

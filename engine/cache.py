@@ -44,6 +44,14 @@ class AppendLayer(DynamicLayer):
         return self.keys, self.values
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, at C speed
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
 def new_cache(config) -> DynamicCache:
     """HF's DynamicCache with its full-attention layers appending in place (other kinds unchanged)."""
     cache = DynamicCache(config=config)
@@ -70,10 +78,7 @@ class CachedModel:
         self._cache = new_cache(self.model.config)
 
     def common_prefix(self, ids: list[int]) -> int:
-        n = min(len(ids), len(self.cached_ids))
-        if self.cached_ids[:n] == ids[:n]:
-            return n
-        return next(i for i in range(n) if self.cached_ids[i] != ids[i])
+        return common_prefix(self.cached_ids, ids)
 
     def truncate(self, n: int) -> None:
         """Roll the cache back so that it holds exactly the first n cached tokens."""

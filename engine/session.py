@@ -29,14 +29,13 @@ from engine.models import (
     check_pair,
     load_model,
 )
-from engine.tree import DEFAULT_TREE_PATHS, DraftModelTreeDrafter, TreeDrafter, TreeShape
+from engine.tree import CHAIN_PATHS, DEFAULT_TREE_PATHS, DraftModelTreeDrafter, TreeDrafter, TreeShape
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "resources" / "drafters"
 # Heads trained for the embedded default target, shipped in resources/ (see their model cards).
 DEFAULT_HEADS = ("eagle-smollm2-135m", "medusa-smollm2-135m")
 # Preferred method when the user names none: the strongest one the loaded models offer.
 PREFERENCE = ("eagle", "medusa", "tree", "draft", "lookup", "ar")
-CHAIN_PATHS = tuple((0,) * depth for depth in range(1, 17))
 
 
 class EngineError(RuntimeError):

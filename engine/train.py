@@ -1,8 +1,8 @@
 """`speclens train-drafter`: train EAGLE-1 or Medusa-1 heads for a target by self-distillation.
 
 1. distil: the target answers the training prompts (chat template) in left-padded batches, greedily
-   and optionally also sampled at temperature 0.7; the same `generate` call returns the target's
-   final hidden states (features) at every fed position, so no second pass is needed.
+   and optionally also sampled at temperature 0.7; one teacher-forced pass over each batch of
+   prompt + answer then gives the target's final hidden states (features) at every position.
 2. train: EAGLE regresses the next feature (smooth L1) and matches the target's next-token
    distribution through the target's LM head (cross-entropy, weight 0.1), with uniform noise on the
    input features; its decoder layer can start from the target's last layer. Medusa head k learns
@@ -225,6 +225,15 @@ def eagle_loss(head, step: list[dict], embed, lm_head, noise: float, generator) 
     return regression + 0.1 * classification, agreement
 
 
+def _medusa_pairs(sample: dict, k: int):
+    """Head k's training pairs in one sample's answer region: features [M, H] at t and the tokens
+    [M] at t + 2 + k; None when the sample has none."""
+    tokens, features = sample["tokens"], sample["features"]  # [T], [T, H]
+    first = max(int(sample["answer_start"]) - 2 - k, 0)
+    n = tokens.shape[0] - 2 - k  # features 0..n-1 have a label t + 2 + k
+    return (features[first:n], tokens[first + 2 + k : n + 2 + k]) if n > first else None
+
+
 def medusa_loss(heads, step: list[dict], lm_head, label_index: torch.Tensor) -> tuple[torch.Tensor, float]:
     """Mean over heads of the cross-entropy of head k at feature t against token t+2+k, on the
     answer region; lm_head scores the training vocabulary, label_index [V] maps token ids into it.
@@ -234,16 +243,10 @@ def medusa_loss(heads, step: list[dict], lm_head, label_index: torch.Tensor) -> 
 
     losses, hits = [], []
     for k, head in enumerate(heads):
-        feats, labels = [], []
-        for sample in step:
-            tokens, features = sample["tokens"], sample["features"]  # [T], [T, H]
-            first = max(int(sample["answer_start"]) - 2 - k, 0)
-            n = tokens.shape[0] - 2 - k  # features 0..n-1 have a label t + 2 + k
-            if n > first:
-                feats.append(features[first:n])
-                labels.append(tokens[first + 2 + k : n + 2 + k])
-        if not feats:
+        pairs = [p for p in (_medusa_pairs(sample, k) for sample in step) if p is not None]
+        if not pairs:
             continue
+        feats, labels = zip(*pairs)
         logits = heads.logits(head, torch.cat(feats).float(), lm_head)  # [M, V]
         labels = label_index[torch.cat(labels)]  # [M], positions in the training vocabulary
         losses.append(nn.functional.cross_entropy(logits.float(), labels))
@@ -260,14 +263,12 @@ def medusa_rank_accuracy(heads, samples: list[dict], lm_head, ranks: int = 8) ->
     counts = torch.zeros(len(heads))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         for sample in samples:
-            tokens, features = sample["tokens"], sample["features"].float()  # [T], [T, H]
             for k, head in enumerate(heads):
-                first = max(int(sample["answer_start"]) - 2 - k, 0)
-                n = tokens.shape[0] - 2 - k
-                if n <= first:
+                pair = _medusa_pairs(sample, k)
+                if pair is None:
                     continue
-                top = heads.logits(head, features[first:n], lm_head).topk(ranks, dim=-1).indices  # [M, ranks]
-                labels = tokens[first + 2 + k : n + 2 + k]  # [M]
+                features, labels = pair  # [M, H], [M]
+                top = heads.logits(head, features.float(), lm_head).topk(ranks, dim=-1).indices  # [M, ranks]
                 hits[k] += (top == labels[:, None]).float().sum(0)
                 counts[k] += labels.shape[0]
     return (hits / counts.clamp(min=1)[:, None]).tolist()
@@ -368,10 +369,10 @@ def new_head(kind: str, model, options: TrainOptions):
 
 def decoding_setups(kind: str, head, options: TrainOptions) -> dict[str, dict]:
     """The decoding setups a head is evaluated with: name -> {"description", "shape", "depth"}."""
-    from engine.tree import DEFAULT_TREE_PATHS, TreeShape
+    from engine.tree import CHAIN_PATHS, DEFAULT_TREE_PATHS, TreeShape
 
     if kind == "eagle":
-        chain = TreeShape.from_paths([(0,) * d for d in range(1, options.chain + 1)])
+        chain = TreeShape.from_paths(CHAIN_PATHS).truncated(options.chain)
         return {
             "chain": {"description": f"EAGLE chain, K={options.chain}", "shape": chain, "depth": options.chain},
             "tree": {"description": f"dynamic EAGLE-2-style tree, depth {options.depth}, top-k {options.top_k}, "
@@ -434,7 +435,7 @@ def evaluate_tau(model, tokenizer, prompt_ids: list[list[int]], eos_ids: tuple[i
 
 def write_card(out: Path, options: TrainOptions, n_train: int, n_held: int, n_samples: int, n_tokens: int,
                n_steps: int, history: list[dict], tau: dict[str, dict], target_name: str, command: str,
-               head_config=None) -> None:
+               draft_vocab_coverage: float | None = None) -> None:
     last = history[-1] if history else {}
     kind = "EAGLE-1" if options.kind == "eagle" else "Medusa-1"
     rows = "\n".join(
@@ -451,10 +452,9 @@ def write_card(out: Path, options: TrainOptions, n_train: int, n_held: int, n_sa
                     if options.kind == "eagle" else
                     f"{options.medusa_heads} heads of {options.medusa_layers} residual block(s), sharing the "
                     "target's LM head")
-    coverage = getattr(head_config, "speclens_draft_vocab_coverage", None) if head_config is not None else None
     vocab_row = (f"| draft vocabulary | the {options.draft_vocab} most frequent tokens of the distilled answers "
-                 f"({coverage:.2%} of them); the target verifies over its whole vocabulary |\n"
-                 if coverage is not None else "")
+                 f"({draft_vocab_coverage:.2%} of them); the target verifies over its whole vocabulary |\n"
+                 if draft_vocab_coverage is not None else "")
     prompt_files = ", ".join(Path(p).name for p in options.prompts)
     text = f"""# {kind} draft head for {target_name}
 
@@ -527,6 +527,7 @@ def run(options: TrainOptions) -> dict:
         accuracy = medusa_rank_accuracy(head, samples[:: max(len(samples) // 40, 1)], model.get_output_embeddings())
         head.config["medusa_rank_accuracy"] = [[round(a, 4) for a in row] for row in accuracy]
         head.config["medusa_choices"] = [list(p) for p in sparse_tree_paths(accuracy, options.medusa_tree_nodes)]
+    coverage = None
     if options.kind == "eagle" and options.draft_vocab:
         head.draft_vocab, coverage = draft_vocabulary(samples, options.draft_vocab)
         head.config.speclens_draft_vocab_coverage = round(coverage, 5)
@@ -536,7 +537,7 @@ def run(options: TrainOptions) -> dict:
     n_steps = options.epochs * len(pack(samples, list(range(len(samples))), options.tokens_per_step))
     n_tokens = sum(int(s["tokens"].shape[0]) for s in samples)
     write_card(out, options, len(train_prompts), len(held_out), len(samples), n_tokens, n_steps, history, tau,
-               engine.target.name, _command(options), getattr(head, "config", None))
+               engine.target.name, _command(options), coverage)
     result = {"tau": tau, "history": history}
     (out / "training.json").write_text(json.dumps(result, indent=2))
     return result

@@ -25,6 +25,8 @@ from engine.verify import tree_children, verify_tree, verify_tree_greedy
 DEFAULT_TREE_PATHS: tuple[tuple[int, ...], ...] = (
     (0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0),
 )
+# A chain as a tree shape: the top candidate at every depth (truncate it to the draft length).
+CHAIN_PATHS: tuple[tuple[int, ...], ...] = tuple((0,) * depth for depth in range(1, 17))
 
 
 def node_depths(parents: Sequence[int]) -> list[int]:

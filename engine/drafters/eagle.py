@@ -23,7 +23,7 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from engine.cache import CachedModel, new_cache
+from engine.cache import CachedModel, common_prefix, new_cache
 from engine.sampling import SamplingParams, process_logits
 from engine.tree import DraftModelTreeDrafter, DraftTree, TreeShape, ancestor_path, node_depths, tree_attention
 
@@ -138,7 +138,7 @@ class EagleDrafter(DraftModelTreeDrafter):
     def _sync(self, ids: list[int]) -> torch.Tensor:
         """Target features [len(ids) - 1, H] of positions 0..len(ids)-2 (what the target caches)."""
         want = ids[:-1]
-        have = _common_prefix(self.feature_ids, want)
+        have = common_prefix(self.feature_ids, want)
         fresh = self.target.hidden_at(have, len(want))
         if fresh is None or self.target.cached_ids[: len(want)] != want:
             # the target's latest forward did not cover the gap: re-feed it (the cache stays ids[:-1])
@@ -155,7 +155,7 @@ class EagleDrafter(DraftModelTreeDrafter):
         """Make the cache hold the committed entries 0..len(ids)-2 (features [>= len(ids) - 1, H]),
         feeding at least the last one; returns the head outputs [fed, H] of the fed entries."""
         n = len(ids) - 1  # entries wanted
-        valid = min(max(_common_prefix(self.cache_ids, ids) - 1, 0), n - 1)
+        valid = min(max(common_prefix(self.cache_ids, ids) - 1, 0), n - 1)
         self._crop(valid)
         device = self.target.device
         embeds = self.target.model.get_input_embeddings()(torch.tensor(ids[valid + 1 :], device=device))  # [n - valid, H]
@@ -226,8 +226,3 @@ class EagleDrafter(DraftModelTreeDrafter):
         for row, node in enumerate(new):
             self._f_hat[node] = out[row]
         self._fed = fed
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)

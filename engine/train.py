@@ -4,13 +4,18 @@
    and optionally also sampled at temperature 0.7; one teacher-forced pass over each batch of
    prompt + answer then gives the target's final hidden states (features) at every position.
 2. train: EAGLE regresses the next feature (smooth L1) and matches the target's next-token
-   distribution through the target's LM head (cross-entropy, weight 0.1), with uniform noise on the
-   input features; its decoder layer can start from the target's last layer. Medusa head k learns
-   token t+2+k from the feature at t (cross-entropy). Sequences are packed into steps of about
-   `tokens_per_step` tokens (block-diagonal causal attention), in bfloat16 autocast.
+   distribution through the target's LM head (cross-entropy, weight `ce_weight`: 0.1 as in EAGLE by
+   default), with uniform noise on the input features; its decoder layer can start from the
+   target's last layer. Medusa head k learns token t+2+k from the feature at t (cross-entropy).
+   Sequences are packed into steps of about `tokens_per_step` tokens (block-diagonal causal
+   attention), in bfloat16 autocast.
 3. evaluate: mean accepted length tau (emitted tokens / target passes, greedy) on held-out prompts,
    for each decoding setup of the head (EAGLE: a chain and a dynamic tree; Medusa: a static tree),
    written into a model card README.md.
+
+Other prompt sets can join a run: `--distil-only` distils them into a data file that another run
+adds with `--extra-data`. The held-out prompts' greedy answers are distilled too
+(OUT/held-out.pt), so every epoch also records the head's top-1 agreement on them.
 
 Stages are resumable: the distilled data (DATA, by default OUT/distilled.pt, saved after every
 batch) and a checkpoint (weights, optimiser, epoch) are picked up by a rerun with the same
@@ -27,7 +32,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 KINDS = ("eagle", "medusa")
@@ -41,6 +46,8 @@ class TrainOptions:
     prompts: tuple[str, ...]
     out: str
     data: str = ""  # distilled data file, shareable between EAGLE and Medusa runs; "" = OUT/distilled.pt
+    extra_data: tuple[str, ...] = ()  # distilled files of other prompt sets (made with distil_only), trained on too
+    distil_only: bool = False  # stop after distilling (to build an extra_data file)
     max_prompts: int = 100_000
     held_out: int = 20  # prompts kept for the tau evaluation
     answer_tokens: int = 160  # length of the target's distilled answers
@@ -50,6 +57,7 @@ class TrainOptions:
     lr: float = 6e-4  # peak; linear warm-up over 5% of the steps, then cosine decay to 10%
     tokens_per_step: int = 2048  # packed tokens per optimiser step
     feature_noise: float = 0.1  # EAGLE: uniform noise on input features, in units of their RMS
+    ce_weight: float = 0.1  # EAGLE: weight of the cross-entropy term (the feature regression has weight 1)
     init_from_target: bool = False  # EAGLE: the decoder layer starts as a copy of the target's last layer
     draft_vocab: int = 8192  # EAGLE: draft only the N most frequent answer tokens (0: the whole vocabulary)
     medusa_heads: int = 4
@@ -201,9 +209,10 @@ def _packed(step: list[dict]):
     return torch.cat(positions), torch.block_diag(*blocks), torch.cat(answer)  # [N], [N, N], [N]
 
 
-def eagle_loss(head, step: list[dict], embed, lm_head, noise: float, generator) -> tuple[torch.Tensor, float]:
-    """Smooth L1 on the next feature + 0.1 x cross-entropy to the target's next-token distribution
-    (the latter on the answer region only). Returns the loss and the top-1 agreement."""
+def eagle_loss(head, step: list[dict], embed, lm_head, noise: float, generator,
+               ce_weight: float = 0.1) -> tuple[torch.Tensor, float]:
+    """Smooth L1 on the next feature + ce_weight x cross-entropy to the target's next-token
+    distribution (the latter on the answer region only). Returns the loss and the top-1 agreement."""
     import torch
     from torch import nn
 
@@ -222,7 +231,7 @@ def eagle_loss(head, step: list[dict], embed, lm_head, noise: float, generator) 
     log_q = lm_head(predicted[answer]).float().log_softmax(-1)  # [A, V]
     classification = -(p_target * log_q).sum(-1).mean()
     agreement = float((log_q.argmax(-1) == p_target.argmax(-1)).float().mean())
-    return regression + 0.1 * classification, agreement
+    return regression + ce_weight * classification, agreement
 
 
 def _medusa_pairs(sample: dict, k: int):
@@ -274,7 +283,11 @@ def medusa_rank_accuracy(heads, samples: list[dict], lm_head, ranks: int = 8) ->
     return (hits / counts.clamp(min=1)[:, None]).tolist()
 
 
-def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: Path) -> list[dict]:
+def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: Path,
+          held_out: list[dict] = ()) -> list[dict]:
+    """Train the head; per epoch it records the mean training loss and top-1 agreement and, given
+    held-out samples, the top-1 agreement on them (teacher-forced, no feature noise): a training
+    agreement far above the held-out one means the head learns the prompts rather than the target."""
     import torch
     from torch import nn
     from tqdm import tqdm
@@ -283,8 +296,9 @@ def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: P
     for p in model.parameters():
         p.requires_grad_(False)
     # The losses score only the tokens the distilled data contains (a few thousand of the
-    # vocabulary): the vocabulary projection dominates the cost, and the rest gets ~no target mass.
-    vocab = torch.unique(torch.cat([s["tokens"] for s in samples]))  # [S]
+    # vocabulary; the held-out data's too, so it can be scored): the vocabulary projection dominates
+    # the cost, and the rest gets ~no target mass.
+    vocab = torch.unique(torch.cat([s["tokens"] for s in [*samples, *held_out]]))  # [S]
     lm_head = nn.Linear(embed.embedding_dim, len(vocab), bias=False)
     lm_head.weight = nn.Parameter(model.get_output_embeddings().weight[vocab].detach().clone(), requires_grad=False)
     label_index = torch.full((model.get_output_embeddings().weight.shape[0],), -1, dtype=torch.long)  # [V]
@@ -308,6 +322,23 @@ def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: P
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, history = int(state["epoch"]), json.loads(state["history"])
+    def step_loss(step: list[dict], noise) -> tuple[torch.Tensor, float]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if options.kind == "eagle":
+                return eagle_loss(head, step, embed, lm_head, options.feature_noise if noise else 0.0, noise,
+                                  options.ce_weight)
+            return medusa_loss(head, step, lm_head, label_index)
+
+    def held_out_top1() -> float | None:
+        steps = pack(held_out, list(range(len(held_out))), options.tokens_per_step)
+        if not steps:
+            return None
+        head.eval()
+        with torch.no_grad():
+            top1 = sum(step_loss(step, None)[1] for step in steps) / len(steps)
+        head.train()
+        return top1
+
     head.train()
     for epoch in range(start_epoch, options.epochs):
         order = list(range(len(samples)))
@@ -317,11 +348,7 @@ def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: P
         loss_sum = agree_sum = 0.0
         bar = tqdm(steps, desc=f"train {options.kind} epoch {epoch + 1}/{options.epochs}")
         for step in bar:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                if options.kind == "eagle":
-                    loss, agreement = eagle_loss(head, step, embed, lm_head, options.feature_noise, noise)
-                else:
-                    loss, agreement = medusa_loss(head, step, lm_head, label_index)
+            loss, agreement = step_loss(step, noise)
             optimizer.zero_grad()
             loss.backward()
             nn.utils.clip_grad_norm_(head.parameters(), 0.5)
@@ -330,7 +357,8 @@ def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: P
             loss_sum += float(loss.detach())
             agree_sum += agreement
             bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1=f"{agreement:.2f}")
-        history.append({"epoch": epoch + 1, "loss": loss_sum / len(steps), "top1": agree_sum / len(steps)})
+        history.append({"epoch": epoch + 1, "loss": loss_sum / len(steps), "top1": agree_sum / len(steps),
+                        "held_out_top1": held_out_top1()})
         torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "epoch": epoch + 1, "history": json.dumps(history)},
                    checkpoint)
@@ -433,7 +461,7 @@ def evaluate_tau(model, tokenizer, prompt_ids: list[list[int]], eos_ids: tuple[i
     return results
 
 
-def write_card(out: Path, options: TrainOptions, n_train: int, n_held: int, n_samples: int, n_tokens: int,
+def write_card(out: Path, options: TrainOptions, n_train: int, n_held: int, n_samples: tuple[int, int], n_tokens: int,
                n_steps: int, history: list[dict], tau: dict[str, dict], target_name: str, command: str,
                draft_vocab_coverage: float | None = None) -> None:
     last = history[-1] if history else {}
@@ -456,25 +484,30 @@ def write_card(out: Path, options: TrainOptions, n_train: int, n_held: int, n_sa
                  f"({draft_vocab_coverage:.2%} of them); the target verifies over its whole vocabulary |\n"
                  if draft_vocab_coverage is not None else "")
     prompt_files = ", ".join(Path(p).name for p in options.prompts)
+    extra = (f" Also trained on {n_samples[1]} sequences distilled the same way from other prompts: "
+             + ", ".join(Path(p).name for p in options.extra_data) + "." if options.extra_data else "")
+    held_top1 = last.get("held_out_top1")
+    held_row = (f"| final held-out top-1 agreement (teacher-forced) | {held_top1:.3f} |\n"
+                if held_top1 is not None else "")
     text = f"""# {kind} draft head for {target_name}
 
 Trained by `speclens train-drafter` (self-distillation): the target answered {n_train} training
 prompts with the chat template, greedily{sampled} (up to {options.answer_tokens} new tokens each),
 and the head learned from the target's own final hidden states and next-token distributions.
-Prompts: {prompt_files} (Self-Instruct, Apache-2.0); {n_held} other prompts of the same files were
-held out for the evaluation below.
+Prompts: {prompt_files}; {n_held} other prompts of the same files were
+held out for the evaluation below.{extra}
 
 | | |
 |---|---|
 | kind | {options.kind}: {architecture} |
 | target | {target_name} |
 | training prompts / held-out | {n_train} / {n_held} |
-| distilled sequences / tokens (prompt + answer) | {n_samples} / {n_tokens} |
+| distilled sequences / tokens (prompt + answer) | {sum(n_samples)} / {n_tokens} |
 | epochs, optimiser steps, tokens per step | {options.epochs}, {n_steps}, {options.tokens_per_step} |
 | peak learning rate (warm-up + cosine) | {options.lr} |
 | final training loss | {last.get('loss', float('nan')):.4f} |
 | final training top-1 agreement with the target | {last.get('top1', float('nan')):.3f} |
-{vocab_row}{rows}
+{held_row}{vocab_row}{rows}
 
 tau = emitted tokens / target verification passes, greedy (temperature 0), chat template, up to
 {options.eval_tokens} new tokens per prompt; it counts the bonus/correction token, so plain decoding
@@ -500,6 +533,7 @@ def _neutral(options: TrainOptions) -> dict:
     values["prompts"] = [Path(p).name for p in options.prompts]
     values["out"] = Path(options.out).name
     values["data"] = Path(options.data).name if options.data else ""
+    values["extra_data"] = [Path(p).name for p in options.extra_data]
     return values
 
 
@@ -519,8 +553,16 @@ def run(options: TrainOptions) -> dict:
     model, tokenizer = engine.target.model, engine.target.tokenizer
     encode = [engine.encode_chat([{"role": "user", "content": p}]) for p in train_prompts]
     samples = distil(model, encode, engine.eos_ids, options)
+    if options.distil_only:
+        return {"distilled": len(samples), "data": str(options.data_path)}
+    own = len(samples)
+    for path in options.extra_data:
+        samples = samples + torch.load(path, weights_only=True)
+    held_ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in held_out]
+    held_samples = distil(model, held_ids, engine.eos_ids,
+                          replace(options, data=str(out / "held-out.pt"), sampled_answers=0))  # greedy only
     head = new_head(options.kind, model, options)
-    history = train(head, samples, options, model, out / "checkpoint.pt")
+    history = train(head, samples, options, model, out / "checkpoint.pt", held_samples)
     if options.kind == "medusa":
         from engine.drafters.medusa import sparse_tree_paths
 
@@ -532,12 +574,11 @@ def run(options: TrainOptions) -> dict:
         head.draft_vocab, coverage = draft_vocabulary(samples, options.draft_vocab)
         head.config.speclens_draft_vocab_coverage = round(coverage, 5)
     head.save(out)
-    held_ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in held_out]
     tau = evaluate_tau(model, tokenizer, held_ids, engine.eos_ids, head, options)
     n_steps = options.epochs * len(pack(samples, list(range(len(samples))), options.tokens_per_step))
     n_tokens = sum(int(s["tokens"].shape[0]) for s in samples)
-    write_card(out, options, len(train_prompts), len(held_out), len(samples), n_tokens, n_steps, history, tau,
-               engine.target.name, _command(options), coverage)
+    write_card(out, options, len(train_prompts), len(held_out), (own, len(samples) - own), n_tokens, n_steps, history,
+               tau, engine.target.name, _command(options), coverage)
     result = {"tau": tau, "history": history}
     (out / "training.json").write_text(json.dumps(result, indent=2))
     return result
@@ -550,11 +591,12 @@ def _command(options: TrainOptions) -> str:
     words = ["speclens train-drafter", f"--kind {options.kind}"]
     words += [f"--prompts data/self-instruct/{name}" for name in values["prompts"]]
     words += [f"--out {values['out']}"] + ([f"--data {values['data']}"] if options.data else [])
+    words += [f"--extra-data {name}" for name in values["extra_data"]]
     for name, value in values.items():
-        if name in ("kind", "prompts", "out", "data", "dtype") or value == defaults[name]:
+        if name in ("kind", "prompts", "out", "data", "extra_data", "dtype") or value == defaults[name]:
             continue
-        if name == "init_from_target":
-            words.append("--init-from-target")
+        if name in ("init_from_target", "distil_only"):
+            words.append(f"--{name.replace('_', '-')}")
         else:
             words.append(f"--{name.replace('_', '-')} {value}")
     return " ".join(words)
@@ -574,15 +616,24 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--feature-noise", type=float, default=defaults.feature_noise)
+    parser.add_argument("--ce-weight", type=float, default=defaults.ce_weight,
+                        help="EAGLE: weight of the cross-entropy to the target's next-token distribution")
+    parser.add_argument("--extra-data", action="append", default=[],
+                        help="a distilled data file of other prompts (from a --distil-only run) to train on too (repeatable)")
+    parser.add_argument("--distil-only", action="store_true",
+                        help="stop after distilling the prompts into DATA (for --extra-data of another run)")
     parser.add_argument("--init-from-target", action="store_true",
                         help="EAGLE: start the decoder layer as a copy of the target's last layer")
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    names = [f for f in TrainOptions.__dataclass_fields__ if f not in ("kind", "target", "prompts", "out")]
+    names = [f for f in TrainOptions.__dataclass_fields__ if f not in ("kind", "target", "prompts", "out", "extra_data")]
     options = TrainOptions(kind=args.kind, target=args.target, prompts=tuple(args.prompts), out=args.out,
-                           **{name: getattr(args, name) for name in names if name != "dtype"})
+                           extra_data=tuple(args.extra_data), **{name: getattr(args, name) for name in names if name != "dtype"})
     result = run(options)
+    if options.distil_only:
+        print(f"distilled {result['distilled']} sequences -> {result['data']}", file=sys.stderr)
+        return 0
     for name, r in result["tau"].items():
         print(f"tau on held-out prompts, {name}: {r['tau']:.3f} -> {options.out}", file=sys.stderr)
     return 0

@@ -203,8 +203,16 @@ def test_train_drafter_end_to_end_on_a_tiny_target(tmp_path, target_model, kind)
     args = ["train-drafter", "--kind", kind, "--target", str(model_dir), "--prompts", str(prompts), "--out", str(out),
             "--max-prompts", "5", "--held-out", "2", "--answer-tokens", "6", "--epochs", "2", "--eval-tokens", "8",
             "--depth", "3", "--medusa-heads", "2", "--sampled-answers", "1", "--batch-size", "3"]
+    extra = tmp_path / "extra.pt"  # another prompt set, distilled by its own run, trains the head too
+    other = tmp_path / "other.jsonl"
+    other.write_text("\n".join(json.dumps({"instruction": f"Name {i} colours."}) for i in range(3)))
+    assert main(args[:5] + ["--prompts", str(other), "--out", str(tmp_path / "other"), "--data", str(extra), "--held-out", "0",
+                            "--answer-tokens", "6", "--distil-only"]) == 0
+    assert not (tmp_path / "other" / "model.safetensors").exists()
+    assert len(torch.load(extra, weights_only=True)) == 3
+    args += ["--extra-data", str(extra)]
     assert main(args) == 0
-    for name in ("config.json", "model.safetensors", "README.md", "checkpoint.pt", "distilled.pt"):
+    for name in ("config.json", "model.safetensors", "README.md", "checkpoint.pt", "distilled.pt", "held-out.pt"):
         assert (out / name).exists(), name
     distilled = torch.load(out / "distilled.pt", weights_only=True)  # a greedy and a sampled answer per prompt
     assert sorted((int(s["prompt"]), int(s["variant"])) for s in distilled) == [(i, v) for i in range(5) for v in (0, 1)]
@@ -214,11 +222,16 @@ def test_train_drafter_end_to_end_on_a_tiny_target(tmp_path, target_model, kind)
         torch.testing.assert_close(sample["features"].float(), fresh, atol=0.05, rtol=0.02)
     if kind == "eagle":
         vocab = EagleHead.load(out).draft_vocab
-        answers = {int(t) for s in distilled for t in s["tokens"][int(s["answer_start"]) :]}
+        trained_on = distilled + torch.load(extra, weights_only=True)
+        answers = {int(t) for s in trained_on for t in s["tokens"][int(s["answer_start"]) :]}
         assert vocab is not None and set(vocab.tolist()) == answers
         assert "draft vocabulary" in (out / "README.md").read_text()
     record = json.loads((out / "training.json").read_text())
     assert len(record["history"]) == 2
+    assert all(0.0 <= epoch["held_out_top1"] <= 1.0 for epoch in record["history"])
+    card = (out / "README.md").read_text()
+    assert "13 / " in card and "3 sequences distilled the same way from other prompts: extra.pt" in card
+    assert "--extra-data extra.pt" in card and "held-out top-1" in card
     assert set(record["tau"]) == ({"chain", "tree"} if kind == "eagle" else {"tree", "sparse"})
     assert all(r["tau"] >= 1.0 for r in record["tau"].values())
     assert "tau on held-out prompts" in (out / "README.md").read_text()

@@ -1,0 +1,39 @@
+"""The synthetic training prompts (resources/prompts/train-synthetic.jsonl) and their generator."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+from engine.train import load_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "resources" / "prompts" / "train-synthetic.jsonl"
+SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec-bench" / "question_dev.jsonl"
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("make_training_prompts", ROOT / "packaging" / "make_training_prompts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generator_is_seeded_and_varied():
+    make = _generator()
+    rows = make.build(seed=0)
+    assert rows == make.build(seed=0)
+    assert rows != make.build(seed=1)
+    texts = [r["instruction"] for r in rows]
+    assert len(texts) == len(set(texts)) >= 600
+    assert {r["category"] for r in rows} >= {"writing", "coding", "maths", "translation", "passage", "roleplay"}
+
+
+def test_shipped_prompts_load_for_training_and_share_nothing_with_the_benchmark():
+    prompts = load_prompts((str(SHIPPED),))
+    assert len(prompts) == len(set(prompts)) >= 600
+    assert prompts == [json.loads(line)["instruction"] for line in SHIPPED.read_text().splitlines()]
+    if SPEC_BENCH.exists():  # the benchmark prompts sit beside the project here and in CI
+        turns = {turn.strip() for line in SPEC_BENCH.read_text().splitlines() if line.strip()
+                 for turn in json.loads(line)["turns"]}
+        assert turns and not turns & set(prompts)
+        assert not any(turn in prompt or prompt in turn for turn in turns for prompt in prompts if len(turn) > 40)

@@ -59,6 +59,7 @@ class TrainOptions:
     feature_noise: float = 0.1  # EAGLE: uniform noise on input features, in units of their RMS
     ce_weight: float = 0.1  # EAGLE: weight of the cross-entropy term (the feature regression has weight 1)
     init_from_target: bool = False  # EAGLE: the decoder layer starts as a copy of the target's last layer
+    init_from: str = ""  # a trained head folder of this kind to start from (to continue on more data)
     draft_vocab: int = 8192  # EAGLE: draft only the N most frequent answer tokens (0: the whole vocabulary)
     medusa_heads: int = 4
     medusa_layers: int = 1
@@ -382,12 +383,25 @@ def new_head(kind: str, model, options: TrainOptions):
     if kind == "eagle":
         from engine.drafters.eagle import EagleHead
 
+        if options.init_from:
+            head = EagleHead.load(options.init_from).float()
+            if head.config.hidden_size != config.hidden_size:
+                raise ValueError(f"{options.init_from}: an EAGLE head of width {head.config.hidden_size}, "
+                                 f"the target has {config.hidden_size}")
+            head.draft_vocab = None  # chosen again from this run's data
+            return head.train()
         head = EagleHead.for_target(model.config).float()
         if options.init_from_target:
             head.layer.load_state_dict(model.model.layers[-1].state_dict())
         return head
     from engine.drafters.medusa import MedusaHeads
 
+    if options.init_from:
+        heads = MedusaHeads.load(options.init_from, config.hidden_size, config.vocab_size)
+        if len(heads) != options.medusa_heads or heads.config.get("medusa_num_layers", 1) != options.medusa_layers:
+            raise ValueError(f"{options.init_from}: {len(heads)} Medusa heads of {heads.config.get('medusa_num_layers', 1)} "
+                             f"layer(s), not the {options.medusa_heads} of {options.medusa_layers} asked for")
+        return heads.train()
     return MedusaHeads(config.hidden_size, config.vocab_size, num_heads=options.medusa_heads,
                        num_layers=options.medusa_layers, shared_lm_head=True)
 
@@ -475,11 +489,12 @@ def write_card(out: Path, options: TrainOptions, n_train: int, n_held: int, n_sa
     sampled = (f" plus {options.sampled_answers} answer(s) sampled at temperature {SAMPLE_TEMPERATURE}"
                if options.sampled_answers else "")
     architecture = ("one Llama decoder layer over fc([embed(token); feature]); "
-                    + ("layer initialised from the target's last layer" if options.init_from_target else
+                    + (f"continued from {Path(options.init_from).name}" if options.init_from else
+                       "layer initialised from the target's last layer" if options.init_from_target else
                        "random initialisation")
                     if options.kind == "eagle" else
                     f"{options.medusa_heads} heads of {options.medusa_layers} residual block(s), sharing the "
-                    "target's LM head")
+                    "target's LM head" + (f"; continued from {Path(options.init_from).name}" if options.init_from else ""))
     vocab_row = (f"| draft vocabulary | the {options.draft_vocab} most frequent tokens of the distilled answers "
                  f"({draft_vocab_coverage:.2%} of them); the target verifies over its whole vocabulary |\n"
                  if draft_vocab_coverage is not None else "")
@@ -534,6 +549,7 @@ def _neutral(options: TrainOptions) -> dict:
     values["out"] = Path(options.out).name
     values["data"] = Path(options.data).name if options.data else ""
     values["extra_data"] = [Path(p).name for p in options.extra_data]
+    values["init_from"] = Path(options.init_from).name if options.init_from else ""
     return values
 
 
@@ -622,6 +638,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a distilled data file of other prompts (from a --distil-only run) to train on too (repeatable)")
     parser.add_argument("--distil-only", action="store_true",
                         help="stop after distilling the prompts into DATA (for --extra-data of another run)")
+    parser.add_argument("--init-from", default="", metavar="DIR",
+                        help="start from a trained head of the same kind (continue training it on more data)")
     parser.add_argument("--init-from-target", action="store_true",
                         help="EAGLE: start the decoder layer as a copy of the target's last layer")
 

@@ -239,6 +239,12 @@ def test_train_drafter_end_to_end_on_a_tiny_target(tmp_path, target_model, kind)
     before = (out / "model.safetensors").read_bytes()
     assert main(args) == 0
     assert (out / "model.safetensors").read_bytes() == before
+    # a trained head can be continued on more data; it starts from the saved weights
+    again = tmp_path / "continued"
+    continued = [str(again) if a == str(out) else "1" if prev == "--epochs" else a for prev, a in zip([""] + args, args)]
+    assert main(continued + ["--init-from", str(out)]) == 0
+    assert f"continued from {out.name}" in (again / "README.md").read_text()
+    assert (again / "model.safetensors").read_bytes() != before
 
 
 def _assert_tree_features_equal_linear_runs(drafter, head, target_model, ids, tokens, parents):

@@ -323,6 +323,7 @@ def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: P
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, history = int(state["epoch"]), json.loads(state["history"])
+
     def step_loss(step: list[dict], noise) -> tuple[torch.Tensor, float]:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if options.kind == "eagle":
@@ -502,7 +503,8 @@ def write_card(out: Path, options: TrainOptions, n_train: int, n_held: int, n_sa
     extra = (f" Also trained on {n_samples[1]} sequences distilled the same way from other prompts: "
              + ", ".join(Path(p).name for p in options.extra_data) + "." if options.extra_data else "")
     held_top1 = last.get("held_out_top1")
-    held_row = (f"| final held-out top-1 agreement (teacher-forced) | {held_top1:.3f} |\n"
+    held_row = (f"| final held-out top-1 agreement with the target (teacher-forced"
+                f"{', mean over heads' if options.kind == 'medusa' else ''}) | {held_top1:.3f} |\n"
                 if held_top1 is not None else "")
     text = f"""# {kind} draft head for {target_name}
 

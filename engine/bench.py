@@ -241,6 +241,42 @@ def pick_threads(engine, ids: list[int], steps: int = 6) -> dict[int, float]:
     return rates
 
 
+VERIFY_SIZES = (1, 2, 3, 5, 9, 17, 33)  # plain step, chains of K = 1, 2, 4, 8, trees of 16 and 32 nodes
+
+
+def verify_cost(engine, ids: list[int], sizes: Sequence[int] = VERIFY_SIZES, rounds: int = 5) -> dict[int, float]:
+    """Median seconds of one target forward over T new tokens, with logits for all T as a verify step
+    needs, after ids[:-1] are cached; per T. Rounds interleave the sizes (the first is a warm-up).
+
+    This curve decides what a draft can pay for on a device: a step that emits tau tokens costs
+    cost(T) plus drafting, so speculation wins only where tau / (cost(T) / cost(1)) exceeds 1 by
+    more than the draft's share. Measured, because it depends on the CPU, dtype and threads."""
+    if not ids:
+        raise ValueError("verify_cost needs a non-empty prompt")
+    target = engine.target_lm
+    target.prefill(ids)
+    context = ids[:-1]
+    filler = (ids * (max(sizes) // len(ids) + 1))[: max(sizes)]  # real tokens, so the work is realistic
+    times: dict[int, list[float]] = {t: [] for t in sizes}
+    for round_ in range(rounds + 1):
+        for t in sizes:
+            _sync(target.device)
+            start = time.perf_counter()
+            target.forward(context, filler[:t], t)
+            _sync(target.device)
+            if round_:
+                times[t].append(time.perf_counter() - start)
+            target.truncate(len(context))
+    return {t: sorted(v)[len(v) // 2] for t, v in times.items()}
+
+
+def verify_cost_markdown(engine, costs: dict[int, float], context: int) -> str:
+    base = costs[min(costs)]
+    rows = "\n".join(f"| {t} | {1000 * c:.1f} | {c / base:.2f}x |" for t, c in costs.items())
+    return (f"{engine.target.name} on {describe_device(engine.target.device)}, {engine.target.model.dtype}; one forward of T new "
+            f"tokens after {context} cached, median\n\n| T | ms | vs T={min(costs)} |\n|---:|---:|---:|\n{rows}\n")
+
+
 def run_method(engine, method: str, ids: list[int], options: BenchOptions, seed: int, max_new: int) -> Run:
     runner = run_hf if method in HF_METHODS else run_ours
     return runner(engine, method, ids, options, seed, max_new)
@@ -444,6 +480,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the results as JSON here")
     parser.add_argument("--markdown", default=None, help="write the tables as Markdown here")
     parser.add_argument("--chart", default=None, help="write a PNG bar chart here")
+    parser.add_argument("--verify-cost", action="store_true",
+                        help="instead: time one target forward of T = 1..33 new tokens (what verifying costs here)")
 
 
 def cmd_bench(args: argparse.Namespace, engine_factory: Callable | None = None) -> int:
@@ -466,6 +504,8 @@ def cmd_bench(args: argparse.Namespace, engine_factory: Callable | None = None) 
         print(f"error: {exc}", file=sys.stderr)
         return 2
     engine = (engine_factory or load_engine)(args)
+    if args.verify_cost:
+        return _cmd_verify_cost(engine, prompts, options, args)
     try:
         report = run_bench(engine, prompts, options, progress=True,
                            settings={"prompts": str(args.prompts or bundled_prompts_path().name)})
@@ -480,4 +520,19 @@ def cmd_bench(args: argparse.Namespace, engine_factory: Callable | None = None) 
         Path(args.markdown).write_text(table)
     if args.chart:
         write_chart(report, args.chart)
+    return 0
+
+
+def _cmd_verify_cost(engine, prompts: Sequence[Prompt], options: BenchOptions, args: argparse.Namespace) -> int:
+    ids = engine.encode_chat([{"role": "user", "content": select_prompts(prompts, 1)[0].turns[0]}])
+    if options.threads == "auto":
+        pick_threads(engine, ids[:128])
+    elif isinstance(options.threads, int):
+        torch.set_num_threads(options.threads)
+    costs = verify_cost(engine, ids)
+    print(verify_cost_markdown(engine, costs, len(ids) - 1), end="")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": describe_device(engine.target.device),
+                                               "dtype": str(engine.target.model.dtype), "context": len(ids) - 1,
+                                               "verify_ms": {str(t): 1000 * c for t, c in costs.items()}}, indent=2) + "\n")
     return 0

@@ -119,3 +119,17 @@ def test_synthetic_drafter_acceptance_is_close_to_a(acceptance):
     measured = summary.accepted / (summary.accepted + rejections)
     assert measured == pytest.approx(acceptance, abs=0.07)
     assert summary.per_position_acceptance[0] == pytest.approx(acceptance, abs=0.1)
+
+
+def test_verify_cost_times_every_size_and_leaves_the_cache_as_it_found_it(engine, tmp_path, capsys):
+    from engine.bench import VERIFY_SIZES, cmd_bench, verify_cost
+
+    ids = engine.encode_chat([{"role": "user", "content": PROMPTS[0].turns[0]}])
+    costs = verify_cost(engine, ids, sizes=(1, 3, 9), rounds=2)
+    assert list(costs) == [1, 3, 9] and all(c > 0 for c in costs.values())
+    assert engine.target_lm.cached_ids == ids[:-1]  # every timed block was rolled back
+    args = build_parser().parse_args(["bench", "--verify-cost", "--threads", "1", "--json", str(tmp_path / "v.json")])
+    assert cmd_bench(args, engine_factory=lambda _: engine) == 0
+    out = json.loads((tmp_path / "v.json").read_text())
+    assert list(out["verify_ms"]) == [str(t) for t in VERIFY_SIZES]
+    assert f"| {VERIFY_SIZES[-1]} |" in capsys.readouterr().out

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import qasync
+from pyqtgraph.util.garbage_collector import GarbageCollector
 from PySide6.QtWidgets import QApplication
 
 from app.chat_view import Message
@@ -112,6 +114,18 @@ def main(argv: Sequence[str] | None = None, engine_factory: EngineFactory | None
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("SpecLens")
     app.setOrganizationName("speclens")
+    # The model worker runs Python on its own thread; a cyclic collection that started there could
+    # delete Qt objects off the GUI thread and crash. Collect on the GUI thread only, on a timer.
+    collector = GarbageCollector(interval=1.0)
+    try:
+        return _run(app, store, settings, args, engine_factory)
+    finally:
+        collector.timer.stop()
+        gc.enable()
+
+
+def _run(app: QApplication, store: SettingsStore, settings, args: argparse.Namespace,
+         engine_factory: EngineFactory | None) -> int:
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
 

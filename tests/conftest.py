@@ -10,11 +10,28 @@ import torch  # noqa: E402
 # for each other make every small matmul orders of magnitude slower.
 torch.set_num_threads(1)
 
+import gc  # noqa: E402
 import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
 EXIT_STATUS = pytest.StashKey[int]()
+
+
+@pytest.fixture(autouse=True)
+def collect_garbage_on_the_gui_thread(request):
+    """Qt tests run worker threads; an automatic cyclic collection that starts on one of them can
+    delete Qt objects off the GUI thread and crash (it did once, in CI). As in the app (pyqtgraph's
+    GarbageCollector), such tests collect on the main thread only."""
+    if not {"qtbot", "qapp"} & set(request.fixturenames):
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.collect()
+        gc.enable()
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -277,6 +277,16 @@ def verify_cost_markdown(engine, costs: dict[int, float], context: int) -> str:
             f"tokens after {context} cached, median\n\n| T | ms | vs T={min(costs)} |\n|---:|---:|---:|\n{rows}\n")
 
 
+def set_threads(engine, ids: list[int], threads: int | str | None) -> dict[int, float] | None:
+    """Apply BenchOptions.threads: a number, "auto" (measured on ids, see pick_threads; returns the
+    rates) or None (torch's choice)."""
+    if threads == "auto":
+        return pick_threads(engine, ids[:128])
+    if isinstance(threads, int):
+        torch.set_num_threads(threads)
+    return None
+
+
 def run_method(engine, method: str, ids: list[int], options: BenchOptions, seed: int, max_new: int) -> Run:
     runner = run_hf if method in HF_METHODS else run_ours
     return runner(engine, method, ids, options, seed, max_new)
@@ -301,9 +311,7 @@ def run_bench(
         raise ValueError("no prompts to run")
     encoded = [engine.encode_chat([{"role": "user", "content": p.turns[0]}]) for p in prompts]
 
-    threads = pick_threads(engine, encoded[0][:128]) if options.threads == "auto" else None
-    if isinstance(options.threads, int):
-        torch.set_num_threads(options.threads)
+    threads = set_threads(engine, encoded[0], options.threads)
     if options.warmup:
         for method in methods:
             run_method(engine, method, encoded[0], options, options.seed, min(16, options.max_new_tokens))
@@ -525,10 +533,7 @@ def cmd_bench(args: argparse.Namespace, engine_factory: Callable | None = None) 
 
 def _cmd_verify_cost(engine, prompts: Sequence[Prompt], options: BenchOptions, args: argparse.Namespace) -> int:
     ids = engine.encode_chat([{"role": "user", "content": select_prompts(prompts, 1)[0].turns[0]}])
-    if options.threads == "auto":
-        pick_threads(engine, ids[:128])
-    elif isinstance(options.threads, int):
-        torch.set_num_threads(options.threads)
+    set_threads(engine, ids, options.threads)
     costs = verify_cost(engine, ids)
     print(verify_cost_markdown(engine, costs, len(ids) - 1), end="")
     if args.json:

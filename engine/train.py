@@ -324,20 +324,22 @@ def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: P
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, history = int(state["epoch"]), json.loads(state["history"])
 
-    def step_loss(step: list[dict], noise) -> tuple[torch.Tensor, float]:
+    def step_loss(step: list[dict], generator) -> tuple[torch.Tensor, float]:
+        """The kind's loss and top-1 agreement; EAGLE's input features get noise from generator (None: none)."""
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if options.kind == "eagle":
-                return eagle_loss(head, step, embed, lm_head, options.feature_noise if noise else 0.0, noise,
-                                  options.ce_weight)
+                noise = options.feature_noise if generator is not None else 0.0
+                return eagle_loss(head, step, embed, lm_head, noise, generator, options.ce_weight)
             return medusa_loss(head, step, lm_head, label_index)
 
+    held_steps = pack(held_out, list(range(len(held_out))), options.tokens_per_step)
+
     def held_out_top1() -> float | None:
-        steps = pack(held_out, list(range(len(held_out))), options.tokens_per_step)
-        if not steps:
+        if not held_steps:
             return None
         head.eval()
         with torch.no_grad():
-            top1 = sum(step_loss(step, None)[1] for step in steps) / len(steps)
+            top1 = sum(step_loss(step, None)[1] for step in held_steps) / len(held_steps)
         head.train()
         return top1
 
@@ -399,9 +401,10 @@ def new_head(kind: str, model, options: TrainOptions):
 
     if options.init_from:
         heads = MedusaHeads.load(options.init_from, config.hidden_size, config.vocab_size)
-        if len(heads) != options.medusa_heads or heads.config.get("medusa_num_layers", 1) != options.medusa_layers:
-            raise ValueError(f"{options.init_from}: {len(heads)} Medusa heads of {heads.config.get('medusa_num_layers', 1)} "
-                             f"layer(s), not the {options.medusa_heads} of {options.medusa_layers} asked for")
+        layers = heads.config.get("medusa_num_layers", 1)
+        if len(heads) != options.medusa_heads or layers != options.medusa_layers:
+            raise ValueError(f"{options.init_from}: {len(heads)} Medusa heads of {layers} layer(s), not the "
+                             f"{options.medusa_heads} of {options.medusa_layers} asked for")
         return heads.train()
     return MedusaHeads(config.hidden_size, config.vocab_size, num_heads=options.medusa_heads,
                        num_layers=options.medusa_layers, shared_lm_head=True)

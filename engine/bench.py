@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from engine.cpu_kernels import is_packed
 from engine.decode import GenerationConfig
 from engine.events import StepEvent, Summary
 from engine.sampling import SamplingParams
@@ -273,7 +274,7 @@ def verify_cost(engine, ids: list[int], sizes: Sequence[int] = VERIFY_SIZES, rou
 def verify_cost_markdown(engine, costs: dict[int, float], context: int) -> str:
     base = costs[min(costs)]
     rows = "\n".join(f"| {t} | {1000 * c:.1f} | {c / base:.2f}x |" for t, c in costs.items())
-    return (f"{engine.target.name} on {describe_device(engine.target.device)}, {engine.target.model.dtype}; one forward of T new "
+    return (f"{engine.target.name} on {describe_target(engine)}; one forward of T new "
             f"tokens after {context} cached, median\n\n| T | ms | vs T={min(costs)} |\n|---:|---:|---:|\n{rows}\n")
 
 
@@ -352,7 +353,7 @@ def run_bench(
         **(settings or {}),
     }
     return BenchReport(aggregate(runs, methods, greedy), categories, all_settings,
-                       describe_device(engine.target.device), tuple(runs))
+                       describe_target(engine), tuple(runs))
 
 
 def aggregate(runs: Sequence[Run], methods: Sequence[str], greedy: bool) -> dict[str, MethodResult]:
@@ -385,6 +386,12 @@ def aggregate(runs: Sequence[Run], methods: Sequence[str], greedy: bool) -> dict
 def _rate(runs: Sequence[Run]) -> float:
     seconds = sum(r.seconds for r in runs)
     return sum(len(r.tokens) for r in runs) / seconds if seconds > 0 else 0.0
+
+
+def describe_target(engine) -> str:
+    """Device, dtype and (on CPU) which linear kernels the target runs."""
+    kernels = ", oneDNN-packed linears" if is_packed(engine.target.model) else ""
+    return f"{describe_device(engine.target.device)}, {str(engine.target.model.dtype).removeprefix('torch.')}{kernels}"
 
 
 def describe_device(device: torch.device) -> str:
@@ -537,7 +544,7 @@ def _cmd_verify_cost(engine, prompts: Sequence[Prompt], options: BenchOptions, a
     costs = verify_cost(engine, ids)
     print(verify_cost_markdown(engine, costs, len(ids) - 1), end="")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": describe_device(engine.target.device),
+        Path(args.json).write_text(json.dumps({"device": describe_target(engine),
                                                "dtype": str(engine.target.model.dtype), "context": len(ids) - 1,
                                                "verify_ms": {str(t): 1000 * c for t, c in costs.items()}}, indent=2) + "\n")
     return 0

@@ -28,6 +28,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true", help="run model code from the model's repo")
     parser.add_argument("--offload", action="store_true",
                         help="spread a target too large for the GPU over GPU and CPU memory (accelerate device_map=auto)")
+    parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "stock"],
+                        help="on CPU: auto packs linear weights for oneDNN once at load (faster); stock keeps nn.Linear")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,7 +109,7 @@ def load_engine(args: argparse.Namespace):
     from engine.session import Engine, EngineError, ModelSettings
 
     settings = ModelSettings(args.target, args.draft, tuple(args.drafter), args.device, args.dtype,
-                             args.trust_remote_code, args.offload)
+                             args.trust_remote_code, args.offload, args.cpu_kernels)
     try:
         return Engine.load(settings, stderr_progress)
     except EngineError as exc:

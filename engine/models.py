@@ -22,6 +22,8 @@ from pathlib import Path
 import platformdirs
 import torch
 
+from engine.cpu_kernels import pack_model
+
 Progress = Callable[[str, "float | None"], None]
 
 DEFAULT_MODEL = "default"
@@ -41,6 +43,7 @@ class LoadOptions:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     trust_remote_code: bool = False  # only ever True when the user turns it on for this model
     offload: bool = False  # accelerate device_map="auto" (GPU + CPU offload) for big targets
+    cpu_kernels: str = "auto"  # auto: oneDNN-packed linears on CPU where they check out | stock (training)
 
 
 @dataclass
@@ -179,6 +182,8 @@ def load_model(source: str, options: LoadOptions = LoadOptions(), progress: Prog
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(options.device)
+    if options.cpu_kernels not in ("auto", "stock"):
+        raise ModelLoadError(f"Unknown cpu_kernels {options.cpu_kernels!r}: use auto or stock.")
     dtype = resolve_dtype(options.dtype, device)
     kwargs: dict = {"dtype": dtype, "trust_remote_code": options.trust_remote_code}
     path = Path(source).expanduser()
@@ -215,6 +220,8 @@ def load_model(source: str, options: LoadOptions = LoadOptions(), progress: Prog
     if not use_offload:
         model.to(device)
     model.eval()
+    if device.type == "cpu" and options.cpu_kernels == "auto":
+        pack_model(model)  # float32 stays the CPU default: bfloat16 broke greedy equality (near-ties flip)
     return LoadedModel(name=name, source=source, model=model, tokenizer=tokenizer, device=device, dtype=dtype)
 
 

@@ -51,6 +51,7 @@ class ModelSettings:
     dtype: str = "auto"
     trust_remote_code: bool = False
     offload: bool = False
+    cpu_kernels: str = "auto"  # auto: oneDNN-packed linears on CPU | stock: nn.Linear
 
 
 class Engine:
@@ -78,7 +79,8 @@ class Engine:
     @classmethod
     def load(cls, settings: ModelSettings, progress: Progress | None = None) -> Engine:
         progress = progress or _no_progress
-        options = LoadOptions(settings.device, settings.dtype, settings.trust_remote_code, settings.offload)
+        options = LoadOptions(settings.device, settings.dtype, settings.trust_remote_code, settings.offload,
+                              settings.cpu_kernels)
         try:
             target = load_model(settings.target, options, progress)
             draft = load_model(settings.draft, options, progress) if settings.draft else None

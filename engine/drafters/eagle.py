@@ -24,6 +24,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from engine.cache import CachedModel, common_prefix, new_cache
+from engine.cpu_kernels import is_packed, linear_like, pack_linears
 from engine.sampling import SamplingParams, process_logits
 from engine.tree import DraftModelTreeDrafter, DraftTree, TreeShape, ancestor_path, node_depths, tree_attention
 
@@ -116,12 +117,15 @@ class EagleDrafter(DraftModelTreeDrafter):
         self.feature_ids: list[int] = []
         self.cache = new_cache(self.head.config)  # the head layer's keys and values
         self.cache_ids: list[int] = []  # ids[: n + 1] for n committed cache entries
+        if is_packed(target.model):
+            pack_linears(self.head)  # the same CPU kernels as the target
         lm_head = target.model.get_output_embeddings()
         vocab = head.draft_vocab
         if vocab is not None and vocab.numel() < target.n_vocab:
             vocab = vocab[vocab < target.n_vocab].to(target.device)
             bias = lm_head.bias[vocab] if getattr(lm_head, "bias", None) is not None else None
-            self._draft_rows = (vocab, lm_head.weight[vocab].detach().contiguous(), bias)  # [N], [N, H], [N]
+            rows = linear_like(target.model, lm_head.weight[vocab].detach().contiguous(), bias)  # H -> N
+            self._draft_rows = (vocab, rows)  # [N], the LM head's rows for them
         else:
             self._draft_rows = None
         self._f_hat: dict[int, torch.Tensor] = {}  # per proposal: node -> its predicted feature [H]
@@ -202,9 +206,9 @@ class EagleDrafter(DraftModelTreeDrafter):
         """Float logits [n, V] of predicted features [n, H]; outside the draft vocabulary -inf."""
         if self._draft_rows is None:
             return self.target.model.get_output_embeddings()(features)[:, : self.target.n_vocab].float()
-        vocab, weight, bias = self._draft_rows
+        vocab, rows = self._draft_rows
         logits = torch.full((features.shape[0], self.target.n_vocab), float("-inf"), device=features.device)
-        logits[:, vocab] = nn.functional.linear(features, weight, bias).float()
+        logits[:, vocab] = rows(features).float()
         return logits
 
     def _feed_tree(self, ids: list[int], tokens: list[int], parents: list[int]) -> None:

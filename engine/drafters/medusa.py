@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from engine.cache import CachedModel
+from engine.cpu_kernels import is_packed, pack_linears
 from engine.drafters import StatelessDrafter
 from engine.sampling import SamplingParams, process_logits
 from engine.tree import DraftTree, TreeShape, node_depths
@@ -118,7 +119,10 @@ class MedusaDrafter(StatelessDrafter):
     """
 
     def __init__(self, heads: MedusaHeads, target: CachedModel, shape: TreeShape, name: str = "medusa"):
-        self.heads = heads.to(target.device).eval()
+        self.dtype = next(target.model.parameters()).dtype
+        self.heads = heads.to(target.device, self.dtype).eval()
+        if is_packed(target.model):
+            pack_linears(self.heads)  # the same CPU kernels as the target
         self.target = target
         self.shape = shape
         self.name = name
@@ -133,7 +137,7 @@ class MedusaDrafter(StatelessDrafter):
         if hidden is None:
             return DraftTree(torch.tensor([ids[-1]], device=self.target.device), (-1,), None)
         lm_head = self.target.model.get_output_embeddings()
-        logits = self.heads(hidden[0].to(next(self.heads.parameters()).dtype), lm_head)[:, : self.target.n_vocab]  # [heads, V]
+        logits = self.heads(hidden[0].to(self.dtype), lm_head)[:, : self.target.n_vocab]  # [heads, V]
         history = torch.tensor(ids, device=logits.device)
         scores = process_logits(logits.float(), params, history, history[:0])  # [heads, V]; ranks only
         n_ranks = 1 + max(shape.ranks)

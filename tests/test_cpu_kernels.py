@@ -1,0 +1,93 @@
+"""oneDNN-packed CPU linears: the numbers nn.Linear gives and the same greedy outputs for every method."""
+
+import copy
+
+import pytest
+import torch
+
+from engine.cache import CachedModel
+from engine.cpu_kernels import PackedLinear, is_packed, pack_model, packed_kernels_work
+from engine.decode import GenerationConfig, generate
+from engine.drafters.eagle import EagleDrafter, EagleHead
+from engine.drafters.medusa import MedusaDrafter, MedusaHeads
+from engine.events import Summary
+from engine.tree import TreeShape
+from tests.tiny import hf_greedy, tiny_llama, tiny_tokenizer
+
+pytestmark = pytest.mark.skipif(not packed_kernels_work(torch.float32), reason="no oneDNN packed linear in this torch")
+
+PROMPT = "one two three four five six one two three four"
+PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_computes_what_linear_computes(dtype):
+    if not packed_kernels_work(dtype):
+        pytest.skip(f"packed kernels do not handle {dtype} here")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 130).to(dtype)
+    packed = PackedLinear(linear.weight, linear.bias)
+    for shape in ((1, 96), (1, 7, 96), (2, 5, 96)):
+        x = torch.randn(shape).to(dtype)
+        with torch.inference_mode():
+            want, got = linear(x).float(), packed(x).float()
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2 * want.abs().max().item()
+        assert got.shape == want.shape
+        assert (got - want).abs().max().item() <= tolerance
+
+
+def test_packed_linear_refuses_to_train():
+    linear = torch.nn.Linear(8, 4)
+    with pytest.raises(RuntimeError, match="no backward"):
+        PackedLinear(linear.weight, linear.bias)(torch.randn(2, 8, requires_grad=True))
+
+
+@pytest.fixture(scope="module")
+def models():
+    stock = tiny_llama(seed=0)
+    packed = copy.deepcopy(stock)
+    assert pack_model(packed) and is_packed(packed) and not is_packed(stock)
+    return stock, packed
+
+
+def _greedy(model, drafter_factory=None, k=4, n=32):
+    target = CachedModel(model)
+    drafter = drafter_factory(target) if drafter_factory else None
+    ids = tiny_tokenizer()(PROMPT)["input_ids"]
+    events = list(generate(target, tiny_tokenizer(), ids, GenerationConfig(method="x", k=k, max_new_tokens=n), drafter))
+    assert isinstance(events[-1], Summary)
+    return events[-1]
+
+
+def test_packed_model_keeps_the_logits_and_the_lm_head_weight(models):
+    stock, packed = models
+    assert packed.get_output_embeddings().weight is not None  # EAGLE's draft rows and training read it
+    ids = torch.tensor([tiny_tokenizer()(PROMPT)["input_ids"]])
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(ids).logits, stock(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_every_head_method_on_a_packed_target_equals_plain_decoding(models):
+    stock, packed = models
+    n = 32
+    reference = hf_greedy(stock, tiny_tokenizer()(PROMPT)["input_ids"], n)
+    assert list(_greedy(packed, n=n).token_ids) == reference
+    torch.manual_seed(4)
+    eagle = EagleHead.for_target(packed.config)
+    medusa = MedusaHeads(packed.config.hidden_size, packed.config.vocab_size, num_heads=3)
+    with torch.no_grad():
+        for p in [*eagle.parameters(), *medusa.parameters()]:
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    eagle.draft_vocab = torch.arange(0, packed.config.vocab_size, 2)  # exercises the packed draft rows
+    factories = {
+        "eagle_tree": lambda t: EagleDrafter(copy.deepcopy(eagle), t, None, top_k=3, budget=10),
+        "eagle_chain": lambda t: EagleDrafter(copy.deepcopy(eagle), t, TreeShape.from_paths([[0], [0, 0], [0, 0, 0]])),
+        "medusa": lambda t: MedusaDrafter(copy.deepcopy(medusa), t, TreeShape.from_paths(PATHS)),
+    }
+    for name, factory in factories.items():
+        summary = _greedy(packed, factory, n=n)
+        assert list(summary.token_ids) == reference, name
+        assert summary.drafted > 0, name
+    drafter = factories["eagle_tree"](CachedModel(packed))
+    assert any(isinstance(m, PackedLinear) for m in drafter.head.modules())  # drafters follow the target

@@ -50,10 +50,11 @@ METHOD_LABELS = {
     "tree": "Token tree (draft model)",
     "eagle": "EAGLE heads (dynamic tree)",
     "eagle_chain": "EAGLE heads (chain)",
+    "eagle_lookup": "EAGLE heads + prompt lookup (one tree)",
     "medusa": "Medusa heads",
 }
 # Methods that need no second model: a configured draft model is only loaded for the others.
-TARGET_ONLY_METHODS = frozenset({"auto", "ar", "lookup", "eagle", "eagle_chain", "medusa"})
+TARGET_ONLY_METHODS = frozenset({"auto", "ar", "lookup", "eagle", "eagle_chain", "eagle_lookup", "medusa"})
 # Resolved by the worker to the loaded engine's best method (Engine.default_method).
 AUTO_METHOD = "auto"
 # Offered before any engine has reported its own list (e.g. settings opened before the first load).

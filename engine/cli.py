@@ -30,6 +30,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="spread a target too large for the GPU over GPU and CPU memory (accelerate device_map=auto)")
     parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "stock"],
                         help="on CPU: auto packs linear weights for oneDNN once at load (faster); stock keeps nn.Linear")
+    parser.add_argument("--tree-budget", type=int, default=None, metavar="N",
+                        help="draft-tree nodes for the EAGLE and Medusa methods (default: 4 on CPU, 32 on GPU)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_arguments(gen)
     gen.add_argument("--method", default=None,
                      help="ar (plain), lookup (prompt lookup), draft / tree (a --draft model), eagle / eagle_chain / "
-                          "medusa (trained heads); default: the best the loaded models offer")
+                          "eagle_lookup / medusa (trained heads); default: the best the loaded models offer")
     gen.add_argument("--prompt", default=None, help="prompt text (default: read standard input)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -109,7 +111,7 @@ def load_engine(args: argparse.Namespace):
     from engine.session import Engine, EngineError, ModelSettings
 
     settings = ModelSettings(args.target, args.draft, tuple(args.drafter), args.device, args.dtype,
-                             args.trust_remote_code, args.offload, args.cpu_kernels)
+                             args.trust_remote_code, args.offload, args.cpu_kernels, args.tree_budget)
     try:
         return Engine.load(settings, stderr_progress)
     except EngineError as exc:

@@ -15,6 +15,8 @@ greedy equality with plain decoding on the default model.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -44,6 +46,7 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)  # opaque, not a parameter
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.weight = weight if keep_weight else None
@@ -51,7 +54,8 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         if torch.is_grad_enabled() and x.requires_grad:
             raise RuntimeError("PackedLinear has no backward: train with stock kernels (cpu_kernels='stock')")
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        # under autocast (training metrics) activations arrive in a lower precision than the weight
+        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
@@ -82,10 +86,30 @@ def is_packed(model: nn.Module) -> bool:
     return isinstance(model.get_output_embeddings(), PackedLinear)
 
 
-def linear_like(model: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-    """A linear layer over (weight, bias), packed when `model` is: drafters match their target."""
-    if is_packed(model):
-        return PackedLinear(weight, bias)
+def drafting_dtype(target: nn.Module) -> torch.dtype:
+    """The precision drafters run in. A drafter's numbers never touch exactness (verification uses
+    whatever distribution it drafted from), so with packed kernels drafters read half the bytes in
+    bfloat16 even where the target stays in float32."""
+    if is_packed(target) and packed_kernels_work(torch.bfloat16):
+        return torch.bfloat16
+    return next(target.parameters()).dtype
+
+
+def drafter_module(module: nn.Module, target: nn.Module) -> nn.Module:
+    """A copy of a drafter's module on the target's device in drafting_dtype, packed like the target.
+    A copy, so the module passed in (for instance one being trained) keeps its nn.Linear layers."""
+    module = copy.deepcopy(module).to(next(target.parameters()).device, drafting_dtype(target)).eval()
+    if is_packed(target):
+        pack_linears(module)
+    return module
+
+
+def drafter_linear(target: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """A drafter's linear layer over (weight, bias): packed in drafting_dtype when the target is
+    packed, else an nn.Linear sharing the given tensors."""
+    if is_packed(target):
+        dtype = drafting_dtype(target)
+        return PackedLinear(weight.detach().to(dtype), None if bias is None else bias.detach().to(dtype))
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
     layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
     if bias is not None:

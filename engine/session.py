@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from engine.cache import CachedModel
 from engine.decode import GenerationConfig, generate
 from engine.drafters import Drafter
@@ -29,13 +31,14 @@ from engine.models import (
     check_pair,
     load_model,
 )
-from engine.tree import CHAIN_PATHS, DEFAULT_TREE_PATHS, DraftModelTreeDrafter, TreeDrafter, TreeShape
+from engine.tree import (CHAIN_PATHS, DEFAULT_TREE_PATHS, DraftModelTreeDrafter, LookupGraftedDrafter, TreeDrafter,
+                         TreeShape)
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "resources" / "drafters"
 # Heads trained for the embedded default target, shipped in resources/ (see their model cards).
 DEFAULT_HEADS = ("eagle-smollm2-135m", "medusa-smollm2-135m")
 # Preferred method when the user names none: the strongest one the loaded models offer.
-PREFERENCE = ("eagle", "medusa", "tree", "draft", "lookup", "ar")
+PREFERENCE = ("eagle_lookup", "eagle", "medusa", "tree", "draft", "lookup", "ar")
 
 
 class EngineError(RuntimeError):
@@ -52,10 +55,12 @@ class ModelSettings:
     trust_remote_code: bool = False
     offload: bool = False
     cpu_kernels: str = "auto"  # auto: oneDNN-packed linears on CPU | stock: nn.Linear
+    tree_budget: int | None = None  # draft-tree nodes for the head methods; None: by device (tree_budget)
 
 
 class Engine:
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, heads: tuple[str, ...] = ()):
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, heads: tuple[str, ...] = (),
+                 budget: int | None = None):
         self.target = target
         self.draft = draft
         self.compatibility: CompatReport | None = check_pair(target, draft) if draft else None
@@ -73,7 +78,7 @@ class Engine:
                 CachedModel(draft.model, n_vocab), TreeShape.from_paths(DEFAULT_TREE_PATHS)
             )
         for folder in heads:
-            self._drafters.update(_head_drafters(Path(folder), self.target_lm))
+            self._drafters.update(_head_drafters(Path(folder), self.target_lm, tree_budget(target.device, budget)))
         self.eos_ids = _eos_ids(target)
 
     @classmethod
@@ -89,7 +94,7 @@ class Engine:
         heads = settings.heads
         if not heads and settings.target == DEFAULT_MODEL:
             heads = tuple(str(SHIPPED_HEADS / name) for name in DEFAULT_HEADS if (SHIPPED_HEADS / name).exists())
-        return cls(target, draft, heads)
+        return cls(target, draft, heads, settings.tree_budget)
 
     @property
     def default_method(self) -> str:
@@ -141,10 +146,11 @@ class Engine:
         )
 
 
-def _head_drafters(folder: Path, target: CachedModel) -> dict[str, TreeDrafter]:
-    """The methods a folder of trained heads adds: EAGLE (dynamic tree and chain) or Medusa."""
+def _head_drafters(folder: Path, target: CachedModel, budget: int) -> dict[str, TreeDrafter]:
+    """The methods a folder of trained heads adds: EAGLE (dynamic tree, chain, tree with prompt
+    lookup's chain grafted in) or Medusa; trees of `budget` nodes."""
     from engine.drafters.eagle import EagleDrafter, EagleHead
-    from engine.drafters.medusa import MedusaDrafter, MedusaHeads
+    from engine.drafters.medusa import MedusaDrafter, MedusaHeads, sparse_tree_paths
 
     config_file = folder / "config.json"
     if not config_file.exists():
@@ -154,8 +160,9 @@ def _head_drafters(folder: Path, target: CachedModel) -> dict[str, TreeDrafter]:
     try:
         if "medusa_num_heads" in config:
             heads = MedusaHeads.load(folder, text_config.hidden_size, text_config.vocab_size)
-            # a sparse tree fitted to the heads' measured accuracy, when training saved one
-            paths = heads.config.get("medusa_choices") or DEFAULT_TREE_PATHS
+            # a sparse tree of `budget` nodes fitted to the heads' measured accuracy, when training saved it
+            accuracy = heads.config.get("medusa_rank_accuracy")
+            paths = sparse_tree_paths(accuracy, budget) if accuracy else heads.config.get("medusa_choices") or DEFAULT_TREE_PATHS
             return {"medusa": MedusaDrafter(heads, target, TreeShape.from_paths(paths))}
         head = EagleHead.load(folder)
     except (OSError, RuntimeError, KeyError, ValueError) as exc:
@@ -165,11 +172,29 @@ def _head_drafters(folder: Path, target: CachedModel) -> dict[str, TreeDrafter]:
             f"The EAGLE head in {folder} has width {head.config.hidden_size}, the target {text_config.hidden_size}: "
             "it was trained for another model."
         )
+    tree = EagleDrafter(head, target, top_k=eagle_top_k(budget), budget=budget)
     return {
-        # top-k 8 / budget 32 measured best for the shipped head (its model card)
-        "eagle": EagleDrafter(head, target, top_k=8, budget=32),
+        "eagle": tree,
         "eagle_chain": EagleDrafter(head, target, shape=TreeShape.from_paths(CHAIN_PATHS), name="eagle_chain"),
+        "eagle_lookup": LookupGraftedDrafter(tree, "eagle_lookup"),
     }
+
+
+def tree_budget(device: torch.device, asked: int | None = None) -> int:
+    """Draft-tree nodes (besides the root) for the head methods: as asked, else by device. Verifying 33
+    tokens cost 1.9 decode steps on a 2-core CPU (oneDNN-packed float32) and about 1 on an H200, so a
+    CPU gets a small tree: budget 4 was the fastest of 4..32 in a sweep on our own prompts, the largest
+    the highest tau (the shipped heads' cards)."""
+    if asked is not None:
+        if not 1 <= asked <= 64:
+            raise EngineError(f"the tree budget must be 1..64 nodes, got {asked}")
+        return asked
+    return 4 if device.type == "cpu" else 32
+
+
+def eagle_top_k(budget: int) -> int:
+    """Children per expanded node of the dynamic EAGLE tree for a budget (8 at 32, as in EAGLE-2)."""
+    return 8 if budget >= 32 else 4 if budget >= 8 else 2
 
 
 def _eos_ids(model: LoadedModel) -> tuple[int, ...]:

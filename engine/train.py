@@ -570,7 +570,7 @@ def run(options: TrainOptions) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(options.prompts)
     train_prompts, held_out = split_prompts(prompts, options)
-    engine = Engine(load_model(options.target, LoadOptions(device="cpu", dtype=options.dtype, cpu_kernels="stock")))
+    engine = Engine(load_model(options.target, LoadOptions(device="cpu", dtype=options.dtype)))
     model, tokenizer = engine.target.model, engine.target.tokenizer
     encode = [engine.encode_chat([{"role": "user", "content": p}]) for p in train_prompts]
     samples = distil(model, encode, engine.eos_ids, options)

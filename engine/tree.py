@@ -18,6 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from engine.cache import CachedModel
+from engine.drafters.lookup import lookup
 from engine.sampling import SamplingParams, process_logits
 from engine.verify import tree_children, verify_tree, verify_tree_greedy
 
@@ -243,6 +244,54 @@ class DraftModelTreeDrafter:
         if rows is not None and len(tokens) > 1:
             probs = torch.stack([torch.zeros_like(rows[1]), *rows[1:]])  # [N, V], row 0 unused
         return DraftTree(torch.tensor(tokens, device=device), tuple(parents), probs, without_replacement)
+
+
+def graft_chain(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
+    """The deterministic tree with the token chain hung below its root, sharing any prefix the tree
+    already holds: siblings stay distinct tokens, as multi-candidate verification requires."""
+    if tree.probs is not None:
+        raise ValueError("only a deterministic tree can take a deterministic chain")
+    tokens, parents = tree.tokens.tolist(), list(tree.parents)
+    children = tree_children(parents)
+    node = 0
+    for token in chain:
+        same = [c for c in children[node] if tokens[c] == token]
+        if same:
+            node = same[0]
+        else:
+            tokens.append(token)
+            parents.append(node)
+            children.append([])
+            children[node].append(len(tokens) - 1)
+            node = len(tokens) - 1
+    return DraftTree(torch.tensor(tokens, device=tree.tokens.device), tuple(parents), None, tree.without_replacement)
+
+
+class LookupGraftedDrafter:
+    """A tree drafter whose deterministic trees also carry the prompt-lookup continuation.
+
+    Prompt lookup costs nothing and is right where the answer repeats its context (extraction,
+    summaries, code edits); a learned head is right elsewhere. With lookup's chain grafted into the
+    head's tree, one target forward verifies both and the longest accepted path wins. Sampled trees
+    (static shapes at temperature > 0) carry their draft distributions and are left as they are.
+    """
+
+    def __init__(self, base: TreeDrafter, name: str):
+        self.base = base
+        self.name = name
+
+    def prefill(self, ids: list[int]) -> None:
+        self.base.prefill(ids)
+
+    def commit(self, ids: list[int]) -> None:
+        self.base.commit(ids)
+
+    def propose_tree(
+        self, ids: list[int], depth: int, params: SamplingParams, generator: torch.Generator | None
+    ) -> DraftTree:
+        tree = self.base.propose_tree(ids, depth, params, generator)
+        chain = lookup(ids, depth)
+        return graft_chain(tree, chain) if chain and tree.probs is None else tree
 
 
 def tree_step(target: CachedModel, drafter: TreeDrafter, ids: list[int], depth: int,

@@ -81,9 +81,9 @@ def test_every_head_method_on_a_packed_target_equals_plain_decoding(models):
                 p.normal_(0, 0.3)
     eagle.draft_vocab = torch.arange(0, packed.config.vocab_size, 2)  # exercises the packed draft rows
     factories = {
-        "eagle_tree": lambda t: EagleDrafter(copy.deepcopy(eagle), t, None, top_k=3, budget=10),
-        "eagle_chain": lambda t: EagleDrafter(copy.deepcopy(eagle), t, TreeShape.from_paths([[0], [0, 0], [0, 0, 0]])),
-        "medusa": lambda t: MedusaDrafter(copy.deepcopy(medusa), t, TreeShape.from_paths(PATHS)),
+        "eagle_tree": lambda t: EagleDrafter(eagle, t, None, top_k=3, budget=10),
+        "eagle_chain": lambda t: EagleDrafter(eagle, t, TreeShape.from_paths([[0], [0, 0], [0, 0, 0]])),
+        "medusa": lambda t: MedusaDrafter(medusa, t, TreeShape.from_paths(PATHS)),
     }
     for name, factory in factories.items():
         summary = _greedy(packed, factory, n=n)
@@ -91,3 +91,7 @@ def test_every_head_method_on_a_packed_target_equals_plain_decoding(models):
         assert summary.drafted > 0, name
     drafter = factories["eagle_tree"](CachedModel(packed))
     assert any(isinstance(m, PackedLinear) for m in drafter.head.modules())  # drafters follow the target
+    if packed_kernels_work(torch.bfloat16):  # and draft in bfloat16: half the bytes, exactness untouched
+        assert next(drafter.head.parameters()).dtype == torch.bfloat16
+    for trainable in (eagle, medusa):  # on copies: the heads passed in keep their nn.Linear layers
+        assert not any(isinstance(m, PackedLinear) for m in trainable.modules())

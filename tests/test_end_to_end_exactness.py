@@ -10,12 +10,14 @@ import pytest
 import torch
 
 import engine.decode as decode
+import engine.verify
 from engine.cache import CachedModel
 from engine.decode import GenerationConfig, generate
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.events import Summary
 from engine.sampling import SamplingParams
 from engine.selftest import chi_square_p_value
+from engine.tree import DraftModelTreeDrafter, LookupGraftedDrafter
 from tests.broken_samplers import resample_from_target
 from tests.tiny import tiny_llama
 
@@ -45,9 +47,9 @@ def exact_marginals(model) -> torch.Tensor:
                         for j in range(N_TOKENS)])
 
 
-def sampled_counts(models, config, trials) -> torch.Tensor:
+def sampled_counts(models, config, trials, drafter=None) -> torch.Tensor:
     target, draft = models
-    target_lm, drafter = CachedModel(target), DraftModelDrafter(CachedModel(draft))
+    target_lm, drafter = CachedModel(target), drafter or DraftModelDrafter(CachedModel(draft))
     counts = torch.zeros(N_TOKENS, VOCAB, dtype=torch.float64)
     for seed in range(trials):
         config = GenerationConfig(**{**config.__dict__, "seed": seed})
@@ -71,6 +73,23 @@ CONFIG = GenerationConfig(method="draft", k=3, adaptive_k=True, max_new_tokens=N
 def test_adaptive_k_generation_is_exact(models):
     counts = sampled_counts(models, CONFIG, trials=3000)
     assert law_matches(counts, exact_marginals(models[0]))
+
+
+def test_lookup_grafted_tree_generation_is_exact(models):
+    """Prompt lookup's chain grafted into a dynamic draft tree (what eagle_lookup does): the small
+    vocabulary makes lookup find matches in most steps, so grafted branches are verified often."""
+    drafter = LookupGraftedDrafter(DraftModelTreeDrafter(CachedModel(models[1]), None, top_k=2, budget=4), "tree_lookup")
+    config = GenerationConfig(method="tree_lookup", k=3, max_new_tokens=N_TOKENS, sampling=PARAMS)
+    counts = sampled_counts(models, config, trials=3000, drafter=drafter)
+    assert law_matches(counts, exact_marginals(models[0]))
+
+
+def test_lookup_grafted_check_fails_when_rejected_siblings_keep_their_mass(models, monkeypatch):
+    monkeypatch.setattr(engine.verify, "_residual", lambda p_target, p_draft: p_target)  # p not updated
+    drafter = LookupGraftedDrafter(DraftModelTreeDrafter(CachedModel(models[1]), None, top_k=2, budget=4), "tree_lookup")
+    config = GenerationConfig(method="tree_lookup", k=3, max_new_tokens=N_TOKENS, sampling=PARAMS)
+    counts = sampled_counts(models, config, trials=3000, drafter=drafter)
+    assert not law_matches(counts, exact_marginals(models[0]))
 
 
 def test_check_fails_with_a_broken_verifier(models, monkeypatch):

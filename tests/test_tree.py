@@ -9,10 +9,13 @@ from engine.sampling import SamplingParams
 from engine.selftest import check_tree_exactness
 from engine.tree import (
     DraftModelTreeDrafter,
+    DraftTree,
+    LookupGraftedDrafter,
     TreeShape,
     ancestor_path,
     node_depths,
     select_by_value,
+    graft_chain,
     tree_attention,
 )
 from engine.verify import verify_tree, verify_tree_greedy
@@ -102,6 +105,21 @@ def test_greedy_tree_verification():
 
 
 # --- tree structure ----------------------------------------------------------------------------
+
+
+def test_graft_chain_shares_prefixes_and_keeps_siblings_distinct():
+    tree = DraftTree(torch.tensor([5, 1, 2, 3]), (-1, 0, 0, 1), None)  # 5 -> {1 -> 3, 2}
+    shared = graft_chain(tree, [1, 3, 7])  # follows 1 -> 3, adds 7 below 3
+    assert shared.tokens.tolist() == [5, 1, 2, 3, 7] and shared.parents == (-1, 0, 0, 1, 3)
+    new = graft_chain(tree, [9, 9])  # a new branch at the root
+    assert new.tokens.tolist() == [5, 1, 2, 3, 9, 9] and new.parents == (-1, 0, 0, 1, 0, 4)
+    for grafted in (shared, new):
+        children = {}
+        for node, parent in enumerate(grafted.parents[1:], start=1):
+            children.setdefault(parent, []).append(grafted.tokens[node].item())
+        assert all(len(set(c)) == len(c) for c in children.values())
+    with pytest.raises(ValueError, match="deterministic"):
+        graft_chain(DraftTree(tree.tokens, tree.parents, torch.ones(4, 10) / 10), [1])
 
 
 def test_static_shape_from_paths():
@@ -225,6 +243,7 @@ def _tree_drafters(draft_model):
     return [
         DraftModelTreeDrafter(CachedModel(draft_model), TreeShape.from_paths(MEDUSA_PATHS)),
         DraftModelTreeDrafter(CachedModel(draft_model), None, top_k=3, budget=10),
+        LookupGraftedDrafter(DraftModelTreeDrafter(CachedModel(draft_model), None, top_k=2, budget=4), "tree_lookup"),
     ]
 
 

@@ -24,7 +24,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from engine.cache import CachedModel, common_prefix, new_cache
-from engine.cpu_kernels import is_packed, linear_like, pack_linears
+from engine.cpu_kernels import drafter_linear, drafter_module
 from engine.sampling import SamplingParams, process_logits
 from engine.tree import DraftModelTreeDrafter, DraftTree, TreeShape, ancestor_path, node_depths, tree_attention
 
@@ -111,23 +111,21 @@ class EagleDrafter(DraftModelTreeDrafter):
     def __init__(self, head: EagleHead, target: CachedModel, shape: TreeShape | None = None,
                  top_k: int = 4, budget: int = 16, name: str = "eagle"):
         super().__init__(target, shape, top_k=top_k, budget=budget, name=name)
-        self.head = head.to(target.device, next(target.model.parameters()).dtype).eval()
+        self.head = drafter_module(head, target.model)
         self.target = target
         self.features: torch.Tensor | None = None  # [n, H] target features of positions 0..n-1
         self.feature_ids: list[int] = []
         self.cache = new_cache(self.head.config)  # the head layer's keys and values
         self.cache_ids: list[int] = []  # ids[: n + 1] for n committed cache entries
-        if is_packed(target.model):
-            pack_linears(self.head)  # the same CPU kernels as the target
         lm_head = target.model.get_output_embeddings()
-        vocab = head.draft_vocab
+        vocab, weight, bias = head.draft_vocab, lm_head.weight, getattr(lm_head, "bias", None)
         if vocab is not None and vocab.numel() < target.n_vocab:
-            vocab = vocab[vocab < target.n_vocab].to(target.device)
-            bias = lm_head.bias[vocab] if getattr(lm_head, "bias", None) is not None else None
-            rows = linear_like(target.model, lm_head.weight[vocab].detach().contiguous(), bias)  # H -> N
-            self._draft_rows = (vocab, rows)  # [N], the LM head's rows for them
+            vocab = vocab[vocab < target.n_vocab].to(target.device)  # [N]
+            weight, bias = weight[vocab], None if bias is None else bias[vocab]
         else:
-            self._draft_rows = None
+            vocab = None
+        self._vocab = vocab  # the token ids the head drafts (None: all)
+        self._rows = drafter_linear(target.model, weight, bias)  # H -> N: the LM head's rows for them
         self._f_hat: dict[int, torch.Tensor] = {}  # per proposal: node -> its predicted feature [H]
         self._fed: list[int] = []  # per proposal: tree nodes in the cache, in cache order after the committed
         target.keep_hidden = True
@@ -204,11 +202,10 @@ class EagleDrafter(DraftModelTreeDrafter):
 
     def _logits(self, features: torch.Tensor) -> torch.Tensor:
         """Float logits [n, V] of predicted features [n, H]; outside the draft vocabulary -inf."""
-        if self._draft_rows is None:
-            return self.target.model.get_output_embeddings()(features)[:, : self.target.n_vocab].float()
-        vocab, rows = self._draft_rows
+        if self._vocab is None:
+            return self._rows(features)[:, : self.target.n_vocab].float()
         logits = torch.full((features.shape[0], self.target.n_vocab), float("-inf"), device=features.device)
-        logits[:, vocab] = rows(features).float()
+        logits[:, self._vocab] = self._rows(features).float()
         return logits
 
     def _feed_tree(self, ids: list[int], tokens: list[int], parents: list[int]) -> None:

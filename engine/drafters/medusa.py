@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.cache import CachedModel
-from engine.cpu_kernels import is_packed, pack_linears
+from engine.cpu_kernels import drafter_linear, drafter_module, drafting_dtype
 from engine.drafters import StatelessDrafter
 from engine.sampling import SamplingParams, process_logits
 from engine.tree import DraftTree, TreeShape, node_depths
@@ -65,6 +65,8 @@ class MedusaHeads(nn.ModuleList):
 
     def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
         """hidden [..., H] -> logits [..., num_heads, V]; lm_head: the target's (needed if shared)."""
+        if self.shared_lm_head and lm_head is not None:  # one pass over the big LM head for all heads
+            return lm_head(torch.stack([head(hidden) for head in self], dim=-2))
         return torch.stack([self.logits(head, hidden, lm_head) for head in self], dim=-2)
 
     @classmethod
@@ -119,10 +121,10 @@ class MedusaDrafter(StatelessDrafter):
     """
 
     def __init__(self, heads: MedusaHeads, target: CachedModel, shape: TreeShape, name: str = "medusa"):
-        self.dtype = next(target.model.parameters()).dtype
-        self.heads = heads.to(target.device, self.dtype).eval()
-        if is_packed(target.model):
-            pack_linears(self.heads)  # the same CPU kernels as the target
+        self.dtype = drafting_dtype(target.model)
+        self.heads = drafter_module(heads, target.model)
+        lm_head = target.model.get_output_embeddings()
+        self.lm_head = drafter_linear(target.model, lm_head.weight, getattr(lm_head, "bias", None)) if heads.shared_lm_head else None
         self.target = target
         self.shape = shape
         self.name = name
@@ -136,8 +138,7 @@ class MedusaDrafter(StatelessDrafter):
         hidden = self.target.hidden_at(len(ids) - 2, len(ids) - 1)  # [1, H]: its logits chose ids[-1]
         if hidden is None:
             return DraftTree(torch.tensor([ids[-1]], device=self.target.device), (-1,), None)
-        lm_head = self.target.model.get_output_embeddings()
-        logits = self.heads(hidden[0].to(self.dtype), lm_head)[:, : self.target.n_vocab]  # [heads, V]
+        logits = self.heads(hidden[0].to(self.dtype), self.lm_head)[:, : self.target.n_vocab]  # [heads, V]
         history = torch.tensor(ids, device=logits.device)
         scores = process_logits(logits.float(), params, history, history[:0])  # [heads, V]; ranks only
         n_ranks = 1 + max(shape.ranks)

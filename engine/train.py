@@ -79,7 +79,7 @@ class TrainOptions:
 
 
 def load_prompts(paths: tuple[str, ...]) -> list[str]:
-    """Self-Instruct style .jsonl (instruction + the first instance's input) or one prompt a line."""
+    """Self-Instruct style .jsonl (instruction + the first instance's input) or one prompt a line, without duplicates."""
     prompts: list[str] = []
     for path in map(Path, paths):
         if "spec-bench" in path.resolve().parts:
@@ -97,7 +97,7 @@ def load_prompts(paths: tuple[str, ...]) -> list[str]:
                 text = line
             if text.strip():
                 prompts.append(text.strip())
-    return prompts
+    return list(dict.fromkeys(prompts))  # a prompt listed twice (say, by two generator seeds) counts once
 
 
 def split_prompts(prompts: list[str], options: TrainOptions) -> tuple[list[str], list[str]]:

@@ -7,7 +7,7 @@ topic lists written here, random numbers, and passages of the Python standard li
 documentation. Nothing here comes from the benchmark prompts. Seeded, so a rerun on the same Python
 version writes the same file.
 
-    python packaging/make_training_prompts.py [--out PATH] [--seed N]
+    python packaging/make_training_prompts.py [--out PATH] [--seed N] [--exclude JSONL ...]
 """
 
 from __future__ import annotations
@@ -216,8 +216,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "resources/prompts/train-synthetic.jsonl"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--exclude", action="append", default=[], metavar="JSONL",
+                        help="leave out prompts already in this file (repeatable): new seeds add only new prompts")
     args = parser.parse_args()
-    rows = build(args.seed)
+    seen = {json.loads(line)["instruction"] for path in args.exclude
+            for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()}
+    rows = [row for row in build(args.seed) if row["instruction"] not in seen]
     Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     counts: dict[str, int] = {}
     for row in rows:

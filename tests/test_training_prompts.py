@@ -37,3 +37,14 @@ def test_shipped_prompts_load_for_training_and_share_nothing_with_the_benchmark(
                  for turn in json.loads(line)["turns"]}
         assert turns and not turns & set(prompts)
         assert not any(turn in prompt or prompt in turn for turn in turns for prompt in prompts if len(turn) > 40)
+
+
+def test_new_seeds_add_only_new_prompts_and_training_counts_each_prompt_once(tmp_path, monkeypatch):
+    make = _generator()
+    out = tmp_path / "more.jsonl"
+    monkeypatch.setattr("sys.argv", ["make", "--seed", "1", "--exclude", str(SHIPPED), "--out", str(out)])
+    make.main()
+    more = [json.loads(line)["instruction"] for line in out.read_text().splitlines()]
+    shipped = set(load_prompts((str(SHIPPED),)))
+    assert len(more) >= 300 and not shipped & set(more)
+    assert load_prompts((str(SHIPPED), str(SHIPPED))) == load_prompts((str(SHIPPED),))  # duplicates dropped

@@ -28,6 +28,7 @@ def diagnose() -> list[tuple[str, str, bool]]:
     """(label, value, ok) rows; a row that is not ok explains the problem in its value."""
     import torch
 
+    from engine.cpu_kernels import packed_kernels_work
     from engine.models import _COMPLETE, cache_dir, default_model_dir
 
     rows: list[tuple[str, str, bool]] = [
@@ -43,6 +44,9 @@ def diagnose() -> list[tuple[str, str, bool]]:
                  f"no (torch {torch.__version__}{' is a CPU build' if '+cpu' in torch.__version__ else ''})", True))
     rows.append(("mps", "yes" if torch.backends.mps.is_available() else "no", True))
     rows.append(("cpu threads", str(torch.get_num_threads()), True))
+    packed = [str(dtype).removeprefix("torch.") for dtype in (torch.float32, torch.bfloat16) if packed_kernels_work(dtype)]
+    rows.append(("cpu kernels", f"oneDNN-packed linears ({', '.join(packed)})" if packed else
+                 "stock nn.Linear (this torch build has no working oneDNN packed linear)", True))
     rows.append(("model cache", str(cache_dir()), True))
     folder = default_model_dir()
     present = (folder / _COMPLETE).exists()

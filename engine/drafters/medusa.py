@@ -123,8 +123,10 @@ class MedusaDrafter(StatelessDrafter):
     def __init__(self, heads: MedusaHeads, target: CachedModel, shape: TreeShape, name: str = "medusa"):
         self.dtype = drafting_dtype(target.model)
         self.heads = drafter_module(heads, target.model)
-        lm_head = target.model.get_output_embeddings()
-        self.lm_head = drafter_linear(target.model, lm_head.weight, getattr(lm_head, "bias", None)) if heads.shared_lm_head else None
+        self.lm_head = None  # the heads' own projections, or (shared) the target's LM head in drafting precision
+        if heads.shared_lm_head:
+            lm_head = target.model.get_output_embeddings()
+            self.lm_head = drafter_linear(target.model, lm_head.weight, getattr(lm_head, "bias", None))
         self.target = target
         self.shape = shape
         self.name = name

@@ -1,6 +1,7 @@
 """Integration tests on the embedded default model (fetched from PyPI on first use, then cached)."""
 
 import pytest
+import torch
 
 from engine.decode import GenerationConfig
 from engine.events import Summary
@@ -52,3 +53,18 @@ def test_every_method_greedy_equals_plain_decoding(engine):
     for method in engine.methods:
         result = summary_of(engine, ids, method, k=4, n=48)
         assert result.token_ids == plain.token_ids, method
+
+
+def test_head_methods_use_the_device_tree_budget(engine):
+    from engine.session import EngineError, eagle_top_k, tree_budget
+
+    assert tree_budget(torch.device("cpu")) == 4 and tree_budget(torch.device("cuda")) == 32
+    assert tree_budget(torch.device("cpu"), 16) == 16
+    with pytest.raises(EngineError, match="1..64"):
+        tree_budget(torch.device("cpu"), 0)
+    assert [eagle_top_k(b) for b in (4, 8, 16, 32)] == [2, 4, 4, 8]
+    assert engine.target.device.type == "cpu"
+    eagle = engine.drafter("eagle")
+    assert (eagle.budget, eagle.top_k) == (4, 2)
+    assert engine.drafter("eagle_lookup").base is eagle  # one EAGLE drafter, with or without lookup
+    assert len(engine.drafter("medusa").shape.parents) == 1 + 4  # a sparse tree of 4 nodes below the root

@@ -62,6 +62,7 @@ class StepPlots(QWidget):
         self._k_view.setMouseEnabled(x=False, y=False)
         item.showAxis("right")
         item.scene().addItem(self._k_view)
+        self._k_view.setZValue(-1)  # under the plot item, so the legend stays on top of the K curve
         right = item.getAxis("right")
         right.linkToView(self._k_view)
         right.setLabel("K", color=DRAFT_K)

@@ -43,7 +43,7 @@ from app.plots import AdvisorPanel
 
 # The engine says which methods a loaded pair offers (Engine.methods); these only name the known ones.
 METHOD_LABELS = {
-    "auto": "Best available (EAGLE heads for the default model)",
+    "auto": "Best available (EAGLE heads + prompt lookup for the default model)",
     "ar": "Plain autoregressive (no drafting)",
     "draft": "Draft model",
     "lookup": "Prompt lookup",

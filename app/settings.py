@@ -43,7 +43,7 @@ from app.plots import AdvisorPanel
 
 # The engine says which methods a loaded pair offers (Engine.methods); these only name the known ones.
 METHOD_LABELS = {
-    "auto": "Best available (EAGLE heads + prompt lookup for the default model)",
+    "auto": "Best available (EAGLE + lookup for the default model)",
     "ar": "Plain autoregressive (no drafting)",
     "draft": "Draft model",
     "lookup": "Prompt lookup",
@@ -67,6 +67,7 @@ def method_label(method: str) -> str:
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda", "mps")
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 MAX_K = 16
+MAX_TREE_BUDGET = 64
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class AppSettings:
     device: str = "auto"
     dtype: str = "auto"
     adaptive_k: bool = True  # K above is then the upper bound of the +2/-1 schedule
+    tree_budget: int = 0  # draft-tree nodes of the EAGLE / Medusa methods; 0 = by device (4 CPU, 32 GPU)
 
     def __post_init__(self) -> None:
         # any well-formed name: only the loaded engine knows which methods it offers
@@ -98,6 +100,8 @@ class AppSettings:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not 0 <= self.tree_budget <= MAX_TREE_BUDGET:
+            raise ValueError(f"tree nodes must be in 0..{MAX_TREE_BUDGET} (0 = by device), got {self.tree_budget}")
         SamplingParams(self.temperature, self.top_k, self.top_p)  # validates the sampling fields
 
     def model_settings(self) -> ModelSettings:
@@ -107,6 +111,7 @@ class AppSettings:
             draft=None if self.method in TARGET_ONLY_METHODS else draft,
             device=self.device,
             dtype=self.dtype,
+            tree_budget=self.tree_budget or None,
         )
 
     def generation_config(self, method: str | None = None) -> GenerationConfig:
@@ -138,10 +143,11 @@ def needs_reload(loaded: ModelSettings | None, wanted: ModelSettings) -> bool:
     not reload anything."""
     if loaded is None:
         return True
-    same_target = (loaded.target, loaded.device, loaded.dtype) == (
+    same_target = (loaded.target, loaded.device, loaded.dtype, loaded.tree_budget) == (
         wanted.target,
         wanted.device,
         wanted.dtype,
+        wanted.tree_budget,  # the head drafters are built for one tree size at load
     )
     if not same_target:
         return True
@@ -284,6 +290,10 @@ class SettingsDialog(QDialog):
         self.device.addItems(DEVICES)
         self.dtype = QComboBox()
         self.dtype.addItems(DTYPES)
+        self.tree_budget = QSpinBox(minimum=0, maximum=MAX_TREE_BUDGET)
+        self.tree_budget.setSpecialValueText("auto (4 on CPU, 32 on GPU)")
+        self.tree_budget.setToolTip("Tokens the EAGLE and Medusa trees draft per step. Bigger trees are "
+                                    "accepted further but cost more to verify, which a CPU feels and a GPU hardly does.")
 
         models = QGroupBox("Models")
         model_form = QFormLayout(models)
@@ -293,6 +303,7 @@ class SettingsDialog(QDialog):
         model_form.addRow("Draft model", self.draft)
         model_form.addRow("Device", self.device)
         model_form.addRow("Precision", self.dtype)
+        model_form.addRow("Tree nodes", self.tree_budget)
 
         decoding = QGroupBox("Decoding (applies from the next message)")
         decoding_form = QFormLayout(decoding)
@@ -378,6 +389,7 @@ class SettingsDialog(QDialog):
         self.max_new_tokens.setValue(s.max_new_tokens)
         self.device.setCurrentText(s.device)
         self.dtype.setCurrentText(s.dtype)
+        self.tree_budget.setValue(s.tree_budget)
         match = [i for i, e in enumerate(CATALOG) if (e.target, e.draft) == (s.target, s.draft)]
         match = match or [i for i, e in enumerate(CATALOG) if e.target == s.target]
         self.pair.setCurrentIndex(match[0] if match else len(CATALOG))
@@ -399,6 +411,7 @@ class SettingsDialog(QDialog):
             device=self.device.currentText(),
             dtype=self.dtype.currentText(),
             adaptive_k=self.adaptive_k.isChecked(),
+            tree_budget=self.tree_budget.value(),
         )
 
     def show_report(self, ok: bool, lines: tuple[str, ...] | list[str]) -> None:

@@ -65,7 +65,7 @@ def test_settings_round_trip_and_bad_file(app_dirs):
     assert store.load() == AppSettings()
     chosen = AppSettings(target="Qwen/Qwen2.5-1.5B-Instruct", method="draft", draft="Qwen/Qwen2.5-0.5B-Instruct",
                          k=7, temperature=0.7, top_k=40, top_p=0.9, seed=123, max_new_tokens=64,
-                         device="cpu", dtype="float32")
+                         device="cpu", dtype="float32", tree_budget=12)
     store.save(chosen)
     assert SettingsStore().load() == chosen
     store.path.write_text("k = 99\nmethod = 'ar'\n")  # out of range: fall back, don't crash
@@ -74,6 +74,8 @@ def test_settings_round_trip_and_bad_file(app_dirs):
     assert store.load() == AppSettings()
     with pytest.raises(ValueError):
         AppSettings(k=17)
+    with pytest.raises(ValueError, match="tree nodes"):
+        AppSettings(tree_budget=65)
 
 
 def test_generation_config_and_reload_rules():
@@ -86,6 +88,9 @@ def test_generation_config_and_reload_rules():
     assert needs_reload(loaded, ModelSettings(target="t", draft="other"))
     assert needs_reload(loaded, ModelSettings(target="u"))
     assert needs_reload(None, ModelSettings())
+    assert AppSettings().model_settings().tree_budget is None  # 0 in the dialog: by device
+    assert AppSettings(tree_budget=8).model_settings().tree_budget == 8
+    assert needs_reload(loaded, ModelSettings(target="t", draft="d", tree_budget=8))  # drafters are built at load
 
 
 def test_settings_apply_to_the_next_message_only(qtbot, make_window, app_dirs):
@@ -104,7 +109,7 @@ def test_settings_apply_to_the_next_message_only(qtbot, make_window, app_dirs):
 
 
 def test_settings_dialog_round_trip_and_catalog(qtbot):
-    chosen = AppSettings(method="lookup", k=6, temperature=0.3, seed=5, max_new_tokens=100)
+    chosen = AppSettings(method="lookup", k=6, temperature=0.3, seed=5, max_new_tokens=100, tree_budget=16)
     dialog = SettingsDialog(chosen)
     qtbot.addWidget(dialog)
     assert dialog.settings() == chosen

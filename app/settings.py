@@ -37,7 +37,7 @@ from PySide6.QtWidgets import (
 from engine.decode import GenerationConfig
 from engine.events import StepEvent
 from engine.sampling import SamplingParams
-from engine.session import ModelSettings
+from engine.session import MAX_TREE_BUDGET, ModelSettings
 
 from app.plots import AdvisorPanel
 
@@ -67,7 +67,6 @@ def method_label(method: str) -> str:
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda", "mps")
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 MAX_K = 16
-MAX_TREE_BUDGET = 64
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,13 @@ greedy equality with plain decoding on the default model.
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch import nn
 
 
+@functools.cache  # a property of the torch build: checked once per dtype, not per model or drafter
 def packed_kernels_work(dtype: torch.dtype) -> bool:
     """Whether oneDNN's packed linear exists in this torch build and agrees with F.linear in dtype."""
     try:
@@ -76,8 +78,8 @@ def pack_linears(module: nn.Module, keep: tuple[nn.Module, ...] = ()) -> int:
 
 def pack_model(model: nn.Module) -> bool:
     """Pack a loaded causal LM's linears if the kernels check out for its dtype; True if packed."""
-    dtype = next(model.parameters()).dtype
-    if next(model.parameters()).device.type != "cpu" or not packed_kernels_work(dtype):
+    first = next(model.parameters())
+    if first.device.type != "cpu" or not packed_kernels_work(first.dtype):
         return False
     return pack_linears(model, keep=(model.get_output_embeddings(),)) > 0
 

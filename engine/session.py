@@ -41,6 +41,9 @@ DEFAULT_HEADS = ("eagle-smollm2-135m", "medusa-smollm2-135m")
 PREFERENCE = ("eagle_lookup", "eagle", "medusa", "tree", "draft", "lookup", "ar")
 
 
+MAX_TREE_BUDGET = 64  # draft-tree nodes a head method may verify per step
+
+
 class EngineError(RuntimeError):
     """Anything that stops the engine from doing what was asked; the message is meant for users."""
 
@@ -162,7 +165,10 @@ def _head_drafters(folder: Path, target: CachedModel, budget: int) -> dict[str, 
             heads = MedusaHeads.load(folder, text_config.hidden_size, text_config.vocab_size)
             # a sparse tree of `budget` nodes fitted to the heads' measured accuracy, when training saved it
             accuracy = heads.config.get("medusa_rank_accuracy")
-            paths = sparse_tree_paths(accuracy, budget) if accuracy else heads.config.get("medusa_choices") or DEFAULT_TREE_PATHS
+            if accuracy:
+                paths = sparse_tree_paths(accuracy, budget)
+            else:
+                paths = heads.config.get("medusa_choices") or DEFAULT_TREE_PATHS
             return {"medusa": MedusaDrafter(heads, target, TreeShape.from_paths(paths))}
         head = EagleHead.load(folder)
     except (OSError, RuntimeError, KeyError, ValueError) as exc:
@@ -186,8 +192,8 @@ def tree_budget(device: torch.device, asked: int | None = None) -> int:
     CPU gets a small tree: budget 4 was the fastest of 4..32 in a sweep on our own prompts, the largest
     the highest tau (the shipped heads' cards)."""
     if asked is not None:
-        if not 1 <= asked <= 64:
-            raise EngineError(f"the tree budget must be 1..64 nodes, got {asked}")
+        if not 1 <= asked <= MAX_TREE_BUDGET:
+            raise EngineError(f"the tree budget must be 1..{MAX_TREE_BUDGET} nodes, got {asked}")
         return asked
     return 4 if device.type == "cpu" else 32
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import platformdirs
 import torch
 
+from engine.attention import use_grouped_attention
 from engine.cpu_kernels import pack_model
 
 Progress = Callable[[str, "float | None"], None]
@@ -220,6 +221,7 @@ def load_model(source: str, options: LoadOptions = LoadOptions(), progress: Prog
     if not use_offload:
         model.to(device)
     model.eval()
+    use_grouped_attention(model)  # verification blocks read the KV cache in place (engine/attention.py)
     if device.type == "cpu" and options.cpu_kernels == "auto":
         pack_model(model)  # float32 stays the CPU default: bfloat16 broke greedy equality (near-ties flip)
     return LoadedModel(name=name, source=source, model=model, tokenizer=tokenizer, device=device, dtype=dtype)

@@ -217,21 +217,34 @@ class DraftModelTreeDrafter:
                         rows.append(q)
         return self._tree(tokens, parents, None if params.greedy else rows, without_replacement=True)
 
+    def _top_candidates(self, ids: list[int], tokens: list[int], parents: list[int], nodes: list[int],
+                        params: SamplingParams) -> list[list[tuple[float, int]]]:
+        """Per node, its top_k (draft probability, token) pairs, most probable first."""
+        candidates = []
+        for score in self._draft_scores(ids, tokens, parents, nodes, params):
+            q = score.softmax(-1)  # [V]
+            top = q.topk(min(self.top_k, int((q > 0).sum())))
+            candidates.append(list(zip(top.values.tolist(), top.indices.tolist())))
+        return candidates
+
     def _dynamic(self, ids: list[int], depth: int, params: SamplingParams) -> DraftTree:
         tokens, parents, values = [ids[-1]], [-1], [1.0]
         frontier = [0]
         for _ in range(depth):
-            scores = self._draft_scores(ids, tokens, parents, frontier, params)
             grown = []
-            for node, score in zip(frontier, scores):
-                q = score.softmax(-1)  # [V]
-                top = q.topk(min(self.top_k, int((q > 0).sum())))
-                for prob, token in zip(top.values.tolist(), top.indices.tolist()):
+            for node, top in zip(frontier, self._top_candidates(ids, tokens, parents, frontier, params)):
+                for prob, token in top:
                     grown.append(len(tokens))
                     tokens.append(token)
                     parents.append(node)
                     values.append(values[node] * prob)
             frontier = sorted(grown, key=lambda i: (-values[i], i))[: self.top_k]
+            # A descendant's value is at most its frontier ancestor's and it ranks after every present
+            # node of equal value, so once `budget` present nodes are worth at least the best frontier
+            # node, deeper levels cannot enter the kept tree: stop drafting them.
+            ranked = sorted(values[1:], reverse=True)
+            if not frontier or (len(ranked) >= self.budget and ranked[self.budget - 1] >= values[frontier[0]]):
+                break
         kept = select_by_value(parents, values, self.budget)
         new_index = {old: new for new, old in enumerate(kept)}
         return self._tree(
@@ -311,11 +324,11 @@ def tree_step(target: CachedModel, drafter: TreeDrafter, ids: list[int], depth: 
 
     logits = target.forward_tree(ids, tokens, parents)  # [N, V], one target pass
     scores = tree_scores(logits, params, ids, tokens, parents)  # [N, V]
-    p_target = scores.softmax(-1)
     tree_tokens = tree.tokens.to(target.device)
     if params.greedy:
         path, next_token = verify_tree_greedy(scores.argmax(-1), tree_tokens, parents)
     else:
+        p_target = scores.softmax(-1)
         probs = None if tree.probs is None else tree.probs.to(target.device)
         path, next_token = verify_tree(p_target, probs, tree_tokens, parents, generator, tree.without_replacement)
     t2 = time.perf_counter()
@@ -328,7 +341,9 @@ def tree_step(target: CachedModel, drafter: TreeDrafter, ids: list[int], depth: 
     last = path[-1] if path else 0
     drafted = len(path) + (1 if children[last] else 0)
     nodes = [0, *path]  # the node whose target row scored each emitted token
-    pt = [float(p_target[node, token]) for node, token in zip(nodes, emitted)]
+    # greedy: normalise only the emitted tokens' rows, not the whole [N, V] tree
+    rows = scores[nodes].softmax(-1) if params.greedy else p_target[nodes]  # [len(nodes), V]
+    pt = [float(rows[i, token]) for i, token in enumerate(emitted)]
     pd: list[float | None] = []
     for node, token in zip(nodes, emitted):
         below = children[node]

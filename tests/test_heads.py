@@ -3,7 +3,7 @@ import torch
 
 from engine.cache import CachedModel
 from engine.decode import GenerationConfig, generate
-from engine.drafters.eagle import EagleDrafter, EagleHead
+from engine.drafters.eagle import EagleDrafter, EagleHead, HeadCache
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads
 from engine.events import Summary, TokenEvent
 from engine.sampling import SamplingParams
@@ -133,6 +133,60 @@ def test_eagle_features_follow_the_committed_tokens(target_model):
     n = drafter.features.shape[0]
     assert drafter.feature_ids == ids[:n] and n >= len(ids) - 5
     torch.testing.assert_close(drafter.features, fresh[:n], atol=1e-4, rtol=1e-4)
+
+
+def test_eagle_head_forward_equals_hf_decoder_layer(target_model):
+    # the head writes its decoder layer's math out by hand; it must be HF's LlamaDecoderLayer exactly,
+    # whole or fed in two parts through its cache, under a tree mask with non-linear positions
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    head = _random_eagle(target_model)
+    h = target_model.config.hidden_size
+    torch.manual_seed(1)
+    x, f = torch.randn(9, h), torch.randn(9, h)
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 6, 6, 7])  # nodes 7 and 8: siblings-and-child below 6
+    mask = torch.ones(9, 9, dtype=torch.bool).tril()
+    mask[7, 6] = False  # node 7 is node 6's sibling
+    mask[8, 6] = False  # node 8 is node 7's child
+    with torch.no_grad():
+        hidden = head.fc(torch.cat([x, f], -1))[None]  # [1, 9, H]
+        additive = torch.zeros(9, 9).masked_fill(~mask, torch.finfo(torch.float32).min)[None, None]
+        rotary = LlamaRotaryEmbedding(head.config)(hidden, positions[None])
+        want = head.layer(hidden, attention_mask=additive, position_ids=positions[None], position_embeddings=rotary)
+        want = want[0] if isinstance(want, tuple) else want
+        torch.testing.assert_close(head(x, f, positions, mask), want[0], atol=1e-5, rtol=1e-5)
+        cache = HeadCache()
+        first = head(x[:6], f[:6], positions[:6], mask[:6, :6], cache)
+        second = head(x[6:], f[6:], positions[6:], mask[6:], cache)
+        torch.testing.assert_close(torch.cat([first, second]), want[0], atol=1e-5, rtol=1e-5)
+        assert cache.length == 9
+        cache.crop(6)  # a rollback, then a different continuation
+        torch.testing.assert_close(head(x[8:], f[8:], positions[8:], mask[8:, [0, 1, 2, 3, 4, 5, 8]], cache),
+                                   head(x[[0, 1, 2, 3, 4, 5, 8]], f[[0, 1, 2, 3, 4, 5, 8]],
+                                        positions[[0, 1, 2, 3, 4, 5, 8]],
+                                        mask[[0, 1, 2, 3, 4, 5, 8]][:, [0, 1, 2, 3, 4, 5, 8]])[-1:],
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_eagle_draft_vocabulary_candidates_equal_full_row_processing(target_model):
+    # the dynamic tree ranks candidates within the draft vocabulary; the base class's full-vocabulary
+    # path (logits -inf outside it, then processed) must give the same tokens and probabilities
+    from engine.tree import DraftModelTreeDrafter
+
+    target = CachedModel(target_model)
+    drafter = EagleDrafter(_draft_vocab_eagle(target_model), target, None, top_k=4, budget=8)
+    ids = _prompt_ids()
+    target.prefill(ids)
+    drafter.propose_tree(ids, 3, SamplingParams(), None)  # syncs the features and the head's cache
+    tokens, parents, nodes = [ids[-1]], [-1], [0]
+    for params in (SamplingParams(), SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.3, top_k=5)):
+        drafter._f_hat = {0: drafter._feed_committed(ids, drafter._sync(ids))[-1]}
+        drafter._fed = []
+        got = drafter._top_candidates(ids, tokens, parents, nodes, params)
+        want = DraftModelTreeDrafter._top_candidates(drafter, ids, tokens, parents, nodes, params)
+        assert [[t for _, t in row] for row in got] == [[t for _, t in row] for row in want]
+        torch.testing.assert_close([[p for p, _ in row] for row in got], [[p for p, _ in row] for row in want])
+        drafter.cache.crop(len(ids) - 1)
 
 
 def test_eagle_save_load_roundtrip(tmp_path, target_model):
@@ -294,10 +348,10 @@ def test_eagle_cached_drafting_after_rollbacks_equals_uncached(target_model, sha
     assert summary.accepted < summary.drafted  # some drafts were rejected
     ids = _prompt_ids() + list(summary.token_ids)
     # the head's cache holds exactly one entry per committed input pair (f_i, t_{i+1}), no tree nodes
-    assert drafter.cache.get_seq_length() == len(drafter.cache_ids) - 1
+    assert drafter.cache.length == len(drafter.cache_ids) - 1
     assert drafter.cache_ids == ids[: len(drafter.cache_ids)]
     target.forward(ids[:-1], [], 1)  # the target state generate() would leave before the next step
     drafter.shape = TreeShape.from_paths(PATHS)  # static: the checked node indices are the tree's own
     tree = drafter.propose_tree(ids, 4, SamplingParams(), None)
-    assert drafter.cache.get_seq_length() == len(ids) - 1  # the tree was cropped off again
+    assert drafter.cache.length == len(ids) - 1  # the tree was cropped off again
     _assert_tree_features_equal_linear_runs(drafter, head, target_model, ids, tree.tokens.tolist(), list(tree.parents))

@@ -144,6 +144,56 @@ def test_dynamic_selection_keeps_best_ancestor_closed_nodes():
     assert select_by_value([-1, 0, 1], [1.0, 0.5, 0.5], budget=1) == [0, 1]
 
 
+class _HashedDrafter(DraftModelTreeDrafter):
+    """Dynamic-tree drafting over fixed random distributions: a node's draft logits depend only on its
+    path, so a tree can be grown twice and compared. Counts the drafting rounds it served."""
+
+    def __init__(self, top_k, budget, seed, vocab=12):
+        super().__init__(None, None, top_k=top_k, budget=budget)
+        self.seed, self.vocab, self.rounds = seed, vocab, 0
+
+    def _draft_scores(self, ids, tokens, parents, nodes, params):
+        self.rounds += 1
+        rows = []
+        for node in nodes:
+            path = tuple(tokens[i] for i in ancestor_path(parents, node))
+            gen = torch.Generator().manual_seed(hash((self.seed, path)) % 2**31)
+            rows.append(torch.randn(self.vocab, generator=gen) * 3)  # peaked, so values fall fast
+        return torch.stack(rows)
+
+    def _tree(self, tokens, parents, rows, without_replacement):
+        return DraftTree(torch.tensor(tokens), tuple(parents), None, without_replacement)
+
+
+def _fully_grown_tree(drafter, ids, depth):
+    """The dynamic tree as EAGLE-2 defines it: every level grown, then the budget best nodes kept."""
+    tokens, parents, values, frontier = [ids[-1]], [-1], [1.0], [0]
+    for _ in range(depth):
+        grown = []
+        for node, top in zip(frontier, drafter._top_candidates(ids, tokens, parents, frontier, SamplingParams())):
+            for prob, token in top:
+                grown.append(len(tokens))
+                tokens.append(token)
+                parents.append(node)
+                values.append(values[node] * prob)
+        frontier = sorted(grown, key=lambda i: (-values[i], i))[: drafter.top_k]
+    kept = select_by_value(parents, values, drafter.budget)
+    new_index = {old: new for new, old in enumerate(kept)}
+    return [tokens[i] for i in kept], [new_index[parents[i]] if i else -1 for i in kept]
+
+
+def test_dynamic_tree_stops_drafting_only_when_deeper_levels_cannot_be_kept():
+    stopped_early = 0
+    for seed in range(60):
+        for top_k, budget in ((2, 4), (3, 6), (4, 8)):
+            drafter = _HashedDrafter(top_k, budget, seed)
+            tree = drafter.propose_tree([1, 2, 3], 6, SamplingParams(), None)
+            stopped_early += drafter.rounds < 6
+            want_tokens, want_parents = _fully_grown_tree(_HashedDrafter(top_k, budget, seed), [1, 2, 3], 6)
+            assert tree.tokens.tolist() == want_tokens and list(tree.parents) == want_parents
+    assert stopped_early > 20  # the shortcut is taken, so the equality above tests it
+
+
 # --- one target forward over a tree -------------------------------------------------------------
 
 

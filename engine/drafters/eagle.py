@@ -20,20 +20,55 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import DynamicCache, LlamaConfig
+from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from engine.cache import CachedModel, common_prefix, new_cache
+from engine.attention import grouped_query_attention
+from engine.cache import CachedModel, common_prefix
 from engine.cpu_kernels import drafter_linear, drafter_module
 from engine.sampling import SamplingParams, process_logits
 from engine.tree import DraftModelTreeDrafter, DraftTree, TreeShape, ancestor_path, node_depths, tree_attention
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+class HeadCache:
+    """Keys and values of the head's one layer, [kv heads, length, D] each, in buffers that grow by
+    doubling: appending copies only the new entries, and rolling back is setting the length."""
+
+    def __init__(self):
+        self.length = 0
+        self._keys: torch.Tensor | None = None  # [kv heads, capacity, D]
+        self._values: torch.Tensor | None = None
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add [kv heads, T, D] keys and values; returns all of them, [kv heads, length + T, D]."""
+        end = self.length + keys.shape[1]
+        if self._keys is None or end > self._keys.shape[1]:
+            capacity = max(2 * end, 256)
+            grown = [new.new_empty(new.shape[0], capacity, new.shape[2]) for new in (keys, values)]
+            if self._keys is not None:
+                grown[0][:, : self.length] = self._keys[:, : self.length]
+                grown[1][:, : self.length] = self._values[:, : self.length]
+            self._keys, self._values = grown
+        self._keys[:, self.length : end] = keys
+        self._values[:, self.length : end] = values
+        self.length = end
+        return self._keys[:, :end], self._values[:, :end]
+
+    def crop(self, n: int) -> None:
+        """Keep the first n entries."""
+        self.length = min(self.length, n)
 
 
 class EagleHead(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         config = LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 1})
-        config._attn_implementation = "sdpa"  # a standalone layer gets no dispatch from a model
+        config._attn_implementation = "sdpa"  # LlamaDecoderLayer holds the weights; forward is ours
         self.config = config
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
@@ -51,20 +86,29 @@ class EagleHead(nn.Module):
         return cls(LlamaConfig(**values))
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor,
-                mask: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
+                mask: torch.Tensor, cache: HeadCache | None = None) -> torch.Tensor:
         """embeds, features [T, H]; position_ids [T]; mask [T, P + T] bool (True = may attend), where P
         is the number of entries already in `cache` (0 without one) -> [T, H]. With a cache, the T new
-        keys and values are appended to it."""
-        x = self.fc(torch.cat([embeds, features], dim=-1))[None]  # [1, T, H]
-        additive = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(
-            ~mask.to(x.device), torch.finfo(x.dtype).min
-        )  # [T, P + T]
-        positions = position_ids[None].to(x.device)  # [1, T]
-        out = self.layer(
-            x, attention_mask=additive[None, None], position_ids=positions, cache=cache, use_cache=cache is not None,
-            position_embeddings=self.rotary(x, positions),
-        )
-        return out[0]
+        keys and values are appended to it.
+
+        The decoder layer's math written out (pre-norm attention with rotary positions, then the gated
+        MLP) rather than a call to LlamaDecoderLayer.forward: drafting runs this a few times per step on
+        a handful of tokens, where HF's general-purpose layer spent more time in Python than in
+        arithmetic. test_heads checks it against LlamaDecoderLayer."""
+        attention, config = self.layer.self_attn, self.config
+        x = self.fc(torch.cat([embeds, features], dim=-1))  # [T, H]
+        n = x.shape[0]
+        h = self.layer.input_layernorm(x)
+        q = attention.q_proj(h).view(n, config.num_attention_heads, -1).transpose(0, 1)  # [heads, T, D]
+        k = attention.k_proj(h).view(n, config.num_key_value_heads, -1).transpose(0, 1)  # [kv heads, T, D]
+        v = attention.v_proj(h).view(n, config.num_key_value_heads, -1).transpose(0, 1)  # [kv heads, T, D]
+        cos, sin = self.rotary(x, position_ids.to(x.device)[None])  # [1, T, D] each
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.append(k, v)  # [kv heads, P + T, D]
+        out = grouped_query_attention(q[None], k[None], v[None], mask.to(x.device)[None, None])[0]  # [heads, T, D]
+        x = x + attention.o_proj(out.transpose(0, 1).reshape(n, -1))  # [T, H]
+        return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
 
     @classmethod
     def load(cls, folder: str | Path) -> EagleHead:
@@ -115,7 +159,7 @@ class EagleDrafter(DraftModelTreeDrafter):
         self.target = target
         self.features: torch.Tensor | None = None  # [n, H] target features of positions 0..n-1
         self.feature_ids: list[int] = []
-        self.cache = new_cache(self.head.config)  # the head layer's keys and values
+        self.cache = HeadCache()  # the head layer's keys and values
         self.cache_ids: list[int] = []  # ids[: n + 1] for n committed cache entries
         lm_head = target.model.get_output_embeddings()
         vocab, weight, bias = head.draft_vocab, lm_head.weight, getattr(lm_head, "bias", None)
@@ -158,19 +202,13 @@ class EagleDrafter(DraftModelTreeDrafter):
         feeding at least the last one; returns the head outputs [fed, H] of the fed entries."""
         n = len(ids) - 1  # entries wanted
         valid = min(max(common_prefix(self.cache_ids, ids) - 1, 0), n - 1)
-        self._crop(valid)
+        self.cache.crop(valid)
         device = self.target.device
         embeds = self.target.model.get_input_embeddings()(torch.tensor(ids[valid + 1 :], device=device))  # [n - valid, H]
         mask = torch.ones(n - valid, n, dtype=torch.bool).tril(valid)  # [new, cached + new], causal
         out = self.head(embeds, features[valid:n].to(embeds.dtype), torch.arange(valid, n), mask, self.cache)
         self.cache_ids = list(ids)
         return out  # [n - valid, H]
-
-    def _crop(self, n: int) -> None:
-        """Keep the first n entries of the head's cache."""
-        drop = self.cache.get_seq_length() - n
-        if drop > 0:
-            self.cache.crop(-drop)
 
     def propose_tree(self, ids: list[int], depth: int, params: SamplingParams,
                      generator: torch.Generator | None) -> DraftTree:
@@ -182,7 +220,7 @@ class EagleDrafter(DraftModelTreeDrafter):
         try:
             return super().propose_tree(ids, depth, params, generator)
         finally:
-            self._crop(len(ids) - 1)  # drop the tree: committed entries only
+            self.cache.crop(len(ids) - 1)  # drop the tree: committed entries only
 
     @torch.inference_mode()
     def _draft_scores(self, ids: list[int], tokens: list[int], parents: list[int], nodes: list[int],
@@ -199,6 +237,22 @@ class EagleDrafter(DraftModelTreeDrafter):
             history = torch.tensor(ids + [tokens[m] for m in ancestor_path(parents, node)], device=logits.device)
             rows.append(process_logits(logits[i : i + 1], params, history, empty)[0])
         return torch.stack(rows)  # [len(nodes), V]
+
+    @torch.inference_mode()
+    def _top_candidates(self, ids: list[int], tokens: list[int], parents: list[int], nodes: list[int],
+                        params: SamplingParams) -> list[list[tuple[float, int]]]:
+        """As the base class, but within the draft vocabulary when no repetition penalty reads the history:
+        processing the draft vocabulary's logits alone gives the same distribution as processing the full
+        row with -inf elsewhere, without building and normalising that row."""
+        if self._vocab is None or params.repetition_penalty != 1.0:
+            return super()._top_candidates(ids, tokens, parents, nodes, params)
+        self._feed_tree(ids, tokens, parents)
+        logits = self._rows(torch.stack([self._f_hat[m] for m in nodes])).float()  # [len(nodes), N]
+        empty = torch.zeros(0, dtype=torch.long, device=logits.device)
+        q = process_logits(logits, params, empty, empty).softmax(-1)  # [len(nodes), N]
+        top = q.topk(min(self.top_k, q.shape[-1]), dim=-1)
+        draft_ids = self._vocab[top.indices].tolist()  # [len(nodes), top_k] token ids
+        return [[(p, t) for p, t in zip(probs, row) if p > 0] for probs, row in zip(top.values.tolist(), draft_ids)]
 
     def _logits(self, features: torch.Tensor) -> torch.Tensor:
         """Float logits [n, V] of predicted features [n, H]; outside the draft vocabulary -inf."""

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from engine.cache import CachedModel
+from engine.cache import AppendLayer, CachedModel
 from engine.decode import GenerationConfig, generate
-from engine.drafters.eagle import EagleDrafter, EagleHead, HeadCache
+from engine.drafters.eagle import EagleDrafter, EagleHead
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads
 from engine.events import Summary, TokenEvent
 from engine.sampling import SamplingParams
@@ -155,12 +155,12 @@ def test_eagle_head_forward_equals_hf_decoder_layer(target_model):
         want = head.layer(hidden, attention_mask=additive, position_ids=positions[None], position_embeddings=rotary)
         want = want[0] if isinstance(want, tuple) else want
         torch.testing.assert_close(head(x, f, positions, mask), want[0], atol=1e-5, rtol=1e-5)
-        cache = HeadCache()
+        cache = AppendLayer()
         first = head(x[:6], f[:6], positions[:6], mask[:6, :6], cache)
         second = head(x[6:], f[6:], positions[6:], mask[6:], cache)
         torch.testing.assert_close(torch.cat([first, second]), want[0], atol=1e-5, rtol=1e-5)
-        assert cache.length == 9
-        cache.crop(6)  # a rollback, then a different continuation
+        assert cache.get_seq_length() == 9
+        cache.crop(-3)  # a rollback to 6 entries, then a different continuation
         torch.testing.assert_close(head(x[8:], f[8:], positions[8:], mask[8:, [0, 1, 2, 3, 4, 5, 8]], cache),
                                    head(x[[0, 1, 2, 3, 4, 5, 8]], f[[0, 1, 2, 3, 4, 5, 8]],
                                         positions[[0, 1, 2, 3, 4, 5, 8]],
@@ -186,7 +186,7 @@ def test_eagle_draft_vocabulary_candidates_equal_full_row_processing(target_mode
         want = DraftModelTreeDrafter._top_candidates(drafter, ids, tokens, parents, nodes, params)
         assert [[t for _, t in row] for row in got] == [[t for _, t in row] for row in want]
         torch.testing.assert_close([[p for p, _ in row] for row in got], [[p for p, _ in row] for row in want])
-        drafter.cache.crop(len(ids) - 1)
+        drafter._crop(len(ids) - 1)
 
 
 def test_eagle_save_load_roundtrip(tmp_path, target_model):
@@ -348,10 +348,10 @@ def test_eagle_cached_drafting_after_rollbacks_equals_uncached(target_model, sha
     assert summary.accepted < summary.drafted  # some drafts were rejected
     ids = _prompt_ids() + list(summary.token_ids)
     # the head's cache holds exactly one entry per committed input pair (f_i, t_{i+1}), no tree nodes
-    assert drafter.cache.length == len(drafter.cache_ids) - 1
+    assert drafter.cache.get_seq_length() == len(drafter.cache_ids) - 1
     assert drafter.cache_ids == ids[: len(drafter.cache_ids)]
     target.forward(ids[:-1], [], 1)  # the target state generate() would leave before the next step
     drafter.shape = TreeShape.from_paths(PATHS)  # static: the checked node indices are the tree's own
     tree = drafter.propose_tree(ids, 4, SamplingParams(), None)
-    assert drafter.cache.length == len(ids) - 1  # the tree was cropped off again
+    assert drafter.cache.get_seq_length() == len(ids) - 1  # the tree was cropped off again
     _assert_tree_features_equal_linear_runs(drafter, head, target_model, ids, tree.tokens.tolist(), list(tree.parents))

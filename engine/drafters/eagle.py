@@ -24,7 +24,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from engine.attention import grouped_query_attention
-from engine.cache import CachedModel, common_prefix
+from engine.cache import AppendLayer, CachedModel, common_prefix
 from engine.cpu_kernels import drafter_linear, drafter_module
 from engine.sampling import SamplingParams, process_logits
 from engine.tree import DraftModelTreeDrafter, DraftTree, TreeShape, ancestor_path, node_depths, tree_attention
@@ -33,35 +33,6 @@ from engine.tree import DraftModelTreeDrafter, DraftTree, TreeShape, ancestor_pa
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat([-second, first], dim=-1)
-
-
-class HeadCache:
-    """Keys and values of the head's one layer, [kv heads, length, D] each, in buffers that grow by
-    doubling: appending copies only the new entries, and rolling back is setting the length."""
-
-    def __init__(self):
-        self.length = 0
-        self._keys: torch.Tensor | None = None  # [kv heads, capacity, D]
-        self._values: torch.Tensor | None = None
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add [kv heads, T, D] keys and values; returns all of them, [kv heads, length + T, D]."""
-        end = self.length + keys.shape[1]
-        if self._keys is None or end > self._keys.shape[1]:
-            capacity = max(2 * end, 256)
-            grown = [new.new_empty(new.shape[0], capacity, new.shape[2]) for new in (keys, values)]
-            if self._keys is not None:
-                grown[0][:, : self.length] = self._keys[:, : self.length]
-                grown[1][:, : self.length] = self._values[:, : self.length]
-            self._keys, self._values = grown
-        self._keys[:, self.length : end] = keys
-        self._values[:, self.length : end] = values
-        self.length = end
-        return self._keys[:, :end], self._values[:, :end]
-
-    def crop(self, n: int) -> None:
-        """Keep the first n entries."""
-        self.length = min(self.length, n)
 
 
 class EagleHead(nn.Module):
@@ -86,7 +57,7 @@ class EagleHead(nn.Module):
         return cls(LlamaConfig(**values))
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor,
-                mask: torch.Tensor, cache: HeadCache | None = None) -> torch.Tensor:
+                mask: torch.Tensor, cache: AppendLayer | None = None) -> torch.Tensor:
         """embeds, features [T, H]; position_ids [T]; mask [T, P + T] bool (True = may attend), where P
         is the number of entries already in `cache` (0 without one) -> [T, H]. With a cache, the T new
         keys and values are appended to it.
@@ -104,9 +75,10 @@ class EagleHead(nn.Module):
         v = attention.v_proj(h).view(n, config.num_key_value_heads, -1).transpose(0, 1)  # [kv heads, T, D]
         cos, sin = self.rotary(x, position_ids.to(x.device)[None])  # [1, T, D] each
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        k, v = k[None], v[None]  # [1, kv heads, T, D]
         if cache is not None:
-            k, v = cache.append(k, v)  # [kv heads, P + T, D]
-        out = grouped_query_attention(q[None], k[None], v[None], mask.to(x.device)[None, None])[0]  # [heads, T, D]
+            k, v = cache.update(k, v)  # [1, kv heads, P + T, D]
+        out = grouped_query_attention(q[None], k, v, mask.to(x.device)[None, None])[0]  # [heads, T, D]
         x = x + attention.o_proj(out.transpose(0, 1).reshape(n, -1))  # [T, H]
         return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
 
@@ -159,7 +131,7 @@ class EagleDrafter(DraftModelTreeDrafter):
         self.target = target
         self.features: torch.Tensor | None = None  # [n, H] target features of positions 0..n-1
         self.feature_ids: list[int] = []
-        self.cache = HeadCache()  # the head layer's keys and values
+        self.cache = AppendLayer()  # the head layer's keys and values, [1, kv heads, n, D]
         self.cache_ids: list[int] = []  # ids[: n + 1] for n committed cache entries
         lm_head = target.model.get_output_embeddings()
         vocab, weight, bias = head.draft_vocab, lm_head.weight, getattr(lm_head, "bias", None)
@@ -202,13 +174,19 @@ class EagleDrafter(DraftModelTreeDrafter):
         feeding at least the last one; returns the head outputs [fed, H] of the fed entries."""
         n = len(ids) - 1  # entries wanted
         valid = min(max(common_prefix(self.cache_ids, ids) - 1, 0), n - 1)
-        self.cache.crop(valid)
+        self._crop(valid)
         device = self.target.device
         embeds = self.target.model.get_input_embeddings()(torch.tensor(ids[valid + 1 :], device=device))  # [n - valid, H]
         mask = torch.ones(n - valid, n, dtype=torch.bool).tril(valid)  # [new, cached + new], causal
         out = self.head(embeds, features[valid:n].to(embeds.dtype), torch.arange(valid, n), mask, self.cache)
         self.cache_ids = list(ids)
         return out  # [n - valid, H]
+
+    def _crop(self, n: int) -> None:
+        """Keep the first n entries of the head's cache."""
+        drop = self.cache.get_seq_length() - n
+        if drop > 0:
+            self.cache.crop(-drop)
 
     def propose_tree(self, ids: list[int], depth: int, params: SamplingParams,
                      generator: torch.Generator | None) -> DraftTree:
@@ -220,7 +198,7 @@ class EagleDrafter(DraftModelTreeDrafter):
         try:
             return super().propose_tree(ids, depth, params, generator)
         finally:
-            self.cache.crop(len(ids) - 1)  # drop the tree: committed entries only
+            self._crop(len(ids) - 1)  # drop the tree: committed entries only
 
     @torch.inference_mode()
     def _draft_scores(self, ids: list[int], tokens: list[int], parents: list[int], nodes: list[int],

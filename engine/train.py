@@ -48,6 +48,9 @@ class TrainOptions:
     data: str = ""  # distilled data file, shareable between EAGLE and Medusa runs; "" = OUT/distilled.pt
     extra_data: tuple[str, ...] = ()  # distilled files of other prompt sets (made with distil_only), trained on too
     distil_only: bool = False  # stop after distilling (to build an extra_data file)
+    self_prompts: int = 0  # extra training prompts written by the target itself (Magpie), kept in OUT
+    self_prompt_temperature: float = 1.0
+    distil_dtype: str = "float32"  # the target copy that writes prompts and answers and gives the features
     max_prompts: int = 100_000
     held_out: int = 20  # prompts kept for the tau evaluation
     answer_tokens: int = 160  # length of the target's distilled answers
@@ -105,6 +108,85 @@ def split_prompts(prompts: list[str], options: TrainOptions) -> tuple[list[str],
     random.Random(options.seed).shuffle(order)
     chosen = [prompts[i] for i in order[: options.max_prompts + options.held_out]]
     return chosen[options.held_out :], chosen[: options.held_out]
+
+
+# --- 0. prompts written by the target ---------------------------------------------------------
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """The chat template's token ids up to where a user's first message begins (system turn and
+    all): what an instruct model sees just before a user writes."""
+    marker = "\u2063speclens\u2063"  # text no template adds of its own
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    return tokenizer(text[: text.index(marker)], add_special_tokens=False)["input_ids"]
+
+
+def write_self_prompts(model, tokenizer, n: int, end_ids: tuple[int, ...], path: Path, temperature: float = 1.0,
+                       batch_size: int = 128, max_tokens: int = 80, seed: int = 0) -> list[str]:
+    """n distinct user prompts written by the target (Magpie, Xu et al. 2024): given the chat
+    template up to a user turn, an instruct model writes a user message of the kind it was tuned
+    on, so the prompts follow its own training distribution rather than a template of ours. Turns
+    that do not end within max_tokens, that are under 16 characters, or that repeat are dropped.
+    Appended to `path` (JSON lines) batch by batch; a rerun continues from what is there."""
+    import torch
+    from tqdm import tqdm
+    from transformers import DynamicCache
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prompts = [json.loads(line)["prompt"] for line in path.read_text(encoding="utf-8").splitlines()] if path.exists() else []
+    seen = set(prompts)
+    prefix = torch.tensor([user_turn_prefix(tokenizer)], device=model.device)  # [1, P]
+    ends = torch.tensor(end_ids, device=model.device)
+    generator = torch.Generator(device=model.device).manual_seed(seed * 100_003 + len(prompts))
+    bar = tqdm(total=n, initial=min(len(prompts), n), desc="self-prompts (the target writes user turns)")
+    fruitless = 0  # batches in a row that added no prompt
+    while len(prompts) < n:
+        alive = torch.arange(batch_size, device=model.device)  # [B] rows still writing
+        written = torch.zeros(batch_size, max_tokens, dtype=torch.long, device=model.device)  # [B, max_tokens]
+        lengths = torch.full((batch_size,), -1, device=model.device)  # [B]: -1 = not finished
+        cache = DynamicCache()
+        fed = prefix.expand(batch_size, -1)  # [B, P]: every row starts from the same prefix
+        with torch.inference_mode():
+            for step in range(max_tokens):
+                logits = model(input_ids=fed, cache=cache, use_cache=True).logits[:, -1].float()  # [b, V]
+                token = sample_rows((logits / temperature).softmax(-1), generator)  # [b]
+                written[alive, step] = token
+                done = torch.isin(token, ends)
+                lengths[alive[done]] = step
+                if done.all():
+                    break
+                if done.any():  # finished rows leave the batch
+                    keep = (~done).nonzero()[:, 0]
+                    cache.batch_select_indices(keep)
+                    alive, token = alive[keep], token[keep]
+                fed = token[:, None]
+        before = len(prompts)
+        for row in range(batch_size):
+            if lengths[row] < 0:
+                continue
+            text = tokenizer.decode(written[row, : lengths[row]], skip_special_tokens=True).strip()
+            if len(text) >= 16 and text not in seen and len(prompts) < n:
+                seen.add(text)
+                prompts.append(text)
+                with path.open("a", encoding="utf-8") as f:
+                    f.write(json.dumps({"prompt": text}, ensure_ascii=False) + "\n")
+                bar.update(1)
+        fruitless = 0 if len(prompts) > before else fruitless + 1
+        if fruitless == 3:
+            raise RuntimeError(f"the target wrote no new usable prompt in 3 batches of {batch_size} ({len(prompts)} of "
+                               f"{n} so far, in {path}): try a higher --self-prompt-temperature or fewer --self-prompts")
+    bar.close()
+    return prompts[:n]
+
+
+def sample_rows(p: torch.Tensor, generator) -> torch.Tensor:
+    """One token per row of probabilities p [B, V] -> [B], by inverse-CDF sampling: one uniform per
+    row, where torch.multinomial draws an exponential per vocabulary entry (most of a step's time at
+    B = 256 and V = 49152 on CPU)."""
+    import torch
+
+    u = torch.rand(p.shape[0], 1, generator=generator, device=p.device)  # [B, 1]
+    return torch.searchsorted(p.cumsum(-1), u)[:, 0].clamp(max=p.shape[-1] - 1)
 
 
 # --- 1. distillation --------------------------------------------------------------------------
@@ -169,8 +251,10 @@ def _distil_batch(model, prompts: list[list[int]], eos_ids: tuple[int, ...], opt
         fed[row, : len(tokens) - 1] = torch.tensor(tokens[:-1])
         fed_mask[row, : len(tokens) - 1] = 1
     with torch.no_grad():  # not inference_mode: training reads these tensors
-        hidden = model(input_ids=fed.to(model.device), attention_mask=fed_mask.to(model.device),
-                       output_hidden_states=True).hidden_states[-1]  # [B, L, H], what CachedModel keeps
+        # The decoder alone: its last hidden state is what CachedModel keeps, and the [B, L, V] logits
+        # of the whole model would take gigabytes at large batches.
+        hidden = model.get_decoder()(input_ids=fed.to(model.device),
+                                     attention_mask=fed_mask.to(model.device)).last_hidden_state  # [B, L, H]
     return [{"tokens": torch.tensor(tokens[:-1]),
              "features": hidden[row, : len(tokens) - 1].to(torch.bfloat16).cpu(),
              "answer_start": torch.tensor(len(prompts[row]))}
@@ -572,15 +656,23 @@ def run(options: TrainOptions) -> dict:
     train_prompts, held_out = split_prompts(prompts, options)
     engine = Engine(load_model(options.target, LoadOptions(device="cpu", dtype=options.dtype)))
     model, tokenizer = engine.target.model, engine.target.tokenizer
+    # Distillation may run on a bfloat16 copy (several times faster on CPUs with bf16 matrix units);
+    # the evaluation below always decodes with the target as the app loads it.
+    teacher = model if options.distil_dtype == options.dtype else load_model(
+        options.target, LoadOptions(device="cpu", dtype=options.distil_dtype)).model
+    if options.self_prompts:
+        train_prompts = train_prompts + write_self_prompts(
+            teacher, tokenizer, options.self_prompts, engine.eos_ids, out / "self-prompts.jsonl",
+            options.self_prompt_temperature, options.batch_size, seed=options.seed)
     encode = [engine.encode_chat([{"role": "user", "content": p}]) for p in train_prompts]
-    samples = distil(model, encode, engine.eos_ids, options)
+    samples = distil(teacher, encode, engine.eos_ids, options)
     if options.distil_only:
         return {"distilled": len(samples), "data": str(options.data_path)}
     own = len(samples)
     for path in options.extra_data:
         samples = samples + torch.load(path, weights_only=True)
     held_ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in held_out]
-    held_samples = distil(model, held_ids, engine.eos_ids,
+    held_samples = distil(teacher, held_ids, engine.eos_ids,
                           replace(options, data=str(out / "held-out.pt"), sampled_answers=0))  # greedy only
     head = new_head(options.kind, model, options)
     history = train(head, samples, options, model, out / "checkpoint.pt", held_samples)
@@ -635,6 +727,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                  "tokens_per_step", "draft_vocab", "medusa_heads", "medusa_layers", "medusa_tree_nodes", "depth", "top_k", "budget", "chain",
                  "eval_tokens", "threads", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    parser.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                        help="also train on N user prompts the target writes itself (Magpie), kept in OUT/self-prompts.jsonl")
+    parser.add_argument("--self-prompt-temperature", type=float, default=defaults.self_prompt_temperature)
+    parser.add_argument("--distil-dtype", choices=("float32", "bfloat16"), default=defaults.distil_dtype,
+                        help="dtype of the target copy that writes the prompts and answers and gives the features")
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--feature-noise", type=float, default=defaults.feature_noise)
     parser.add_argument("--ce-weight", type=float, default=defaults.ce_weight,

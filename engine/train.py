@@ -589,6 +589,11 @@ def write_card(out: Path, options: TrainOptions, n_train: int, n_held: int, n_sa
     prompt_files = ", ".join(Path(p).name for p in options.prompts)
     extra = (f" Also trained on {n_samples[1]} sequences distilled the same way from other prompts: "
              + ", ".join(Path(p).name for p in options.extra_data) + "." if options.extra_data else "")
+    written = (f", and {options.self_prompts} user prompts the target wrote itself (self-prompts.jsonl: the chat "
+               f"template up to a user turn, sampled at temperature {options.self_prompt_temperature}, as in Magpie)"
+               if options.self_prompts else "")
+    teacher = (f" Prompts, answers and features came from a {options.distil_dtype} copy of the target."
+               if options.distil_dtype != options.dtype else "")
     held_top1 = last.get("held_out_top1")
     held_row = (f"| final held-out top-1 agreement with the target (teacher-forced"
                 f"{', mean over heads' if options.kind == 'medusa' else ''}) | {held_top1:.3f} |\n"
@@ -598,8 +603,8 @@ def write_card(out: Path, options: TrainOptions, n_train: int, n_held: int, n_sa
 Trained by `speclens train-drafter` (self-distillation): the target answered {n_train} training
 prompts with the chat template, greedily{sampled} (up to {options.answer_tokens} new tokens each),
 and the head learned from the target's own final hidden states and next-token distributions.
-Prompts: {prompt_files}; {n_held} other prompts of the same files were
-held out for the evaluation below.{extra}
+Prompts: {prompt_files}{written}; {n_held} other prompts of the files were
+held out for the evaluation below.{extra}{teacher}
 
 | | |
 |---|---|

@@ -48,3 +48,15 @@ def test_new_seeds_add_only_new_prompts_and_training_counts_each_prompt_once(tmp
     shipped = set(load_prompts((str(SHIPPED),)))
     assert len(more) >= 300 and not shipped & set(more)
     assert load_prompts((str(SHIPPED), str(SHIPPED))) == load_prompts((str(SHIPPED),))  # duplicates dropped
+
+
+def test_shipped_self_prompts_load_for_training_and_share_nothing_with_the_benchmark():
+    """The user turns the default target wrote for the shipped heads' training (train-drafter --self-prompts)."""
+    path = ROOT / "resources" / "prompts" / "self-prompts-smollm2.jsonl"
+    prompts = load_prompts((str(path),))
+    assert len(prompts) == 4000 == len(path.read_text().splitlines())
+    if SPEC_BENCH.exists():
+        turns = {turn.strip() for line in SPEC_BENCH.read_text().splitlines() if line.strip()
+                 for turn in json.loads(line)["turns"]}
+        assert turns and not turns & set(prompts)
+        assert not any(turn in prompt or prompt in turn for turn in turns for prompt in prompts if len(turn) > 40)

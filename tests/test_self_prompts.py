@@ -88,9 +88,10 @@ def test_train_drafter_adds_self_prompts_distilled_by_a_bfloat16_copy(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"instruction": f"Count to {i}."}) for i in range(4)))
     out = tmp_path / "heads"
-    assert main(["train-drafter", "--kind", "eagle", "--target", str(model_dir), "--prompts", str(prompts),
-                 "--out", str(out), "--held-out", "1", "--answer-tokens", "4", "--batch-size", "64",
-                 "--self-prompts", "3", "--distil-dtype", "bfloat16", "--distil-only"]) == 0
+    args = ["train-drafter", "--kind", "eagle", "--target", str(model_dir), "--prompts", str(prompts),
+            "--out", str(out), "--held-out", "1", "--answer-tokens", "4", "--batch-size", "64",
+            "--self-prompts", "3", "--distil-dtype", "bfloat16"]
+    assert main(args + ["--distil-only"]) == 0
     written = [json.loads(line)["prompt"] for line in (out / "self-prompts.jsonl").read_text().splitlines()]
     assert len(written) == 3
     distilled = torch.load(out / "distilled.pt", weights_only=True)
@@ -101,3 +102,8 @@ def test_train_drafter_adds_self_prompts_distilled_by_a_bfloat16_copy(tmp_path):
         assert text.count("<|im_start|>user") == 1
     asked = {tokenizer.decode(s["tokens"][: int(s["answer_start"])]) for s in distilled}
     assert all(any(prompt in text for text in asked) for prompt in written)
+    # training on them: the card names the prompts the target wrote and the bfloat16 teacher
+    assert main(args + ["--epochs", "1", "--eval-tokens", "4", "--depth", "2", "--budget", "4"]) == 0
+    card = (out / "README.md").read_text()
+    assert "3 user prompts the target wrote itself" in card and "bfloat16 copy of the target" in card
+    assert "--self-prompts 3" in card and "--distil-dtype bfloat16" in card

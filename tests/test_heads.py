@@ -154,11 +154,13 @@ def test_eagle_head_forward_equals_hf_decoder_layer(target_model):
         rotary = LlamaRotaryEmbedding(head.config)(hidden, positions[None])
         want = head.layer(hidden, attention_mask=additive, position_ids=positions[None], position_embeddings=rotary)
         want = want[0] if isinstance(want, tuple) else want
-        torch.testing.assert_close(head(x, f, positions, mask), want[0], atol=1e-5, rtol=1e-5)
+        # float32 rounding of two attention kernels: up to 2e-5 seen on an Intel Xeon; a wrong mask,
+        # position or scale moves outputs by 1e-2 and more
+        torch.testing.assert_close(head(x, f, positions, mask), want[0], atol=1e-4, rtol=1e-4)
         cache = AppendLayer()
         first = head(x[:6], f[:6], positions[:6], mask[:6, :6], cache)
         second = head(x[6:], f[6:], positions[6:], mask[6:], cache)
-        torch.testing.assert_close(torch.cat([first, second]), want[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.cat([first, second]), want[0], atol=1e-4, rtol=1e-4)
         assert cache.get_seq_length() == 9
         cache.crop(-3)  # a rollback to 6 entries, then a different continuation
         torch.testing.assert_close(head(x[8:], f[8:], positions[8:], mask[8:, [0, 1, 2, 3, 4, 5, 8]], cache),

@@ -160,18 +160,19 @@ def write_self_prompts(model, tokenizer, n: int, end_ids: tuple[int, ...], path:
                     cache.batch_select_indices(keep)
                     alive, token = alive[keep], token[keep]
                 fed = token[:, None]
-        before = len(prompts)
+        new = []
         for row in range(batch_size):
             if lengths[row] < 0:
                 continue
             text = tokenizer.decode(written[row, : lengths[row]], skip_special_tokens=True).strip()
-            if len(text) >= 16 and text not in seen and len(prompts) < n:
+            if len(text) >= 16 and text not in seen and len(prompts) + len(new) < n:
                 seen.add(text)
-                prompts.append(text)
-                with path.open("a", encoding="utf-8") as f:
-                    f.write(json.dumps({"prompt": text}, ensure_ascii=False) + "\n")
-                bar.update(1)
-        fruitless = 0 if len(prompts) > before else fruitless + 1
+                new.append(text)
+        with path.open("a", encoding="utf-8") as f:  # once per batch
+            f.writelines(json.dumps({"prompt": text}, ensure_ascii=False) + "\n" for text in new)
+        prompts += new
+        bar.update(len(new))
+        fruitless = 0 if new else fruitless + 1
         if fruitless == 3:
             raise RuntimeError(f"the target wrote no new usable prompt in 3 batches of {batch_size} ({len(prompts)} of "
                                f"{n} so far, in {path}): try a higher --self-prompt-temperature or fewer --self-prompts")
@@ -732,7 +733,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                  "tokens_per_step", "draft_vocab", "medusa_heads", "medusa_layers", "medusa_tree_nodes", "depth", "top_k", "budget", "chain",
                  "eval_tokens", "threads", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    parser.add_argument("--self-prompts", type=int, default=0, metavar="N",
+    parser.add_argument("--self-prompts", type=int, default=defaults.self_prompts, metavar="N",
                         help="also train on N user prompts the target writes itself (Magpie), kept in OUT/self-prompts.jsonl")
     parser.add_argument("--self-prompt-temperature", type=float, default=defaults.self_prompt_temperature)
     parser.add_argument("--distil-dtype", choices=("float32", "bfloat16"), default=defaults.distil_dtype,

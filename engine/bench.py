@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu_kernels import is_packed
+from engine.cpu_kernels import PackedLinear, is_packed
 from engine.decode import GenerationConfig
 from engine.events import StepEvent, Summary
 from engine.sampling import SamplingParams
@@ -390,7 +390,12 @@ def _rate(runs: Sequence[Run]) -> float:
 
 def describe_target(engine) -> str:
     """Device, dtype and (on CPU) which linear kernels the target runs."""
-    kernels = ", oneDNN-packed linears" if is_packed(engine.target.model) else ""
+    kernels = ""
+    if is_packed(engine.target.model):
+        layers = [m for m in engine.target.model.modules() if isinstance(m, PackedLinear)]
+        stock = sum(m.one_row_stock for m in layers)
+        kernels = ", oneDNN-packed linears" + (f" (one-token products on stock kernels in {stock} of {len(layers)})"
+                                              if stock else "")
     return f"{describe_device(engine.target.device)}, {str(engine.target.model.dtype).removeprefix('torch.')}{kernels}"
 
 

@@ -8,6 +8,12 @@ and flattened the cost of verifying a block of tokens (see `speclens bench --ver
 
 Packed weights serve inference only: the op has no backward, so a forward that would need one raises.
 The plain and the speculative paths run the same packed model, so the baseline gets the same speed-up.
+One-row products (plain decoding's whole workload, and chain drafting's) are the exception: on some
+CPUs stock F.linear beats the packed kernel there (on one Intel Xeon the default model's one-token
+forward took 43 ms stock against 51 ms packed; on one AMD EPYC packed won). So each weight shape's
+one-row kernel is measured once per process, and a layer whose stock kernel wins by a clear margin
+keeps its plain weight too and runs single rows through F.linear. Either kernel computes the same
+float32 product up to rounding; tests check that greedy outputs still equal plain decoding.
 float32 stays the CPU default: packed bfloat16 was faster still on one machine, but its rounding
 differs between a 1-token and a 5-token forward, which flipped near-tie greedy tokens and so broke
 greedy equality with plain decoding on the default model.
@@ -17,6 +23,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -38,50 +46,102 @@ def packed_kernels_work(dtype: torch.dtype) -> bool:
     return got.shape == want.shape and (got.float() - want).abs().max().item() <= tolerance
 
 
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of fn() over `repeats` calls."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+@functools.cache  # a property of this machine and thread count: measured once per weight shape
+def stock_wins_one_row(out_features: int, in_features: int, dtype: torch.dtype, threads: int) -> bool:
+    """Whether stock F.linear multiplies one row by an [out, in] weight at least 10% faster than the
+    packed kernel here (the margin keeps near-equal kernels from flipping between runs)."""
+    generator = torch.Generator().manual_seed(0)  # not the global RNG: seeded runs stay reproducible
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)  # [out, in]
+    x = torch.randn(1, in_features, generator=generator).to(dtype)  # [1, in]
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    # about 0.2 GB of reads per kernel: enough repeats to see past timer noise, a few ms for small shapes
+    repeats = max(5, min(200, int(2e8 / max(weight.numel() * weight.element_size(), 1))))
+    with torch.inference_mode():
+        stock_fn = functools.partial(nn.functional.linear, x, weight)
+        packed_fn = functools.partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], "")
+        for fn in (stock_fn, packed_fn):
+            _median_seconds(fn, 3)  # warm up
+        stock = min(_median_seconds(stock_fn, repeats), _median_seconds(stock_fn, repeats))
+        packed_time = min(_median_seconds(packed_fn, repeats), _median_seconds(packed_fn, repeats))
+    return stock < 0.9 * packed_time
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's packed layout (CPU inference only).
 
     `weight` stays reachable only where other code reads it (the output embedding: EAGLE's draft
-    rows and training read the LM head's weight); elsewhere the packed copy replaces it.
+    rows and training read the LM head's weight) or where one row goes through stock F.linear
+    (`one_row_stock`); elsewhere the packed copy replaces it.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False,
+                 one_row_stock: bool = False):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)  # opaque, not a parameter
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.weight = weight if keep_weight else None
+        # the output embedding keeps its Parameter (other code reads that very object); a one-row
+        # copy is a plain tensor, so no autograd graph grows through it
+        self.weight = weight if keep_weight else weight.detach() if one_row_stock else None
+        self.one_row_stock = one_row_stock
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         if torch.is_grad_enabled() and x.requires_grad:
             raise RuntimeError("PackedLinear has no backward: train with stock kernels (cpu_kernels='stock')")
         # under autocast (training metrics) activations arrive in a lower precision than the weight
-        return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, "none", [], "")
+        x = x.to(self.dtype)
+        if self.one_row_stock and x.numel() == self.in_features:
+            return nn.functional.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+        one_row = ", one row: stock" if self.one_row_stock else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN{one_row}"
 
 
-def pack_linears(module: nn.Module, keep: tuple[nn.Module, ...] = ()) -> int:
+def pack_linears(module: nn.Module, keep: tuple[nn.Module, ...] = (), one_row: str = "measure") -> int:
     """Swap every nn.Linear under module (on CPU, in a dtype the packed kernels handle) for a
-    PackedLinear; linears in `keep` retain their weight attribute. Returns how many were swapped."""
+    PackedLinear; linears in `keep` retain their weight attribute. one_row: "measure" (single rows
+    take the faster kernel for the layer's shape, see stock_wins_one_row), "packed" or "stock".
+    Returns how many were swapped."""
+    if one_row not in ("measure", "packed", "stock"):
+        raise ValueError(f"one_row must be measure, packed or stock, not {one_row!r}")
     count = 0
     for name, child in list(module.named_children()):
         if type(child) is nn.Linear and child.weight.device.type == "cpu":
-            setattr(module, name, PackedLinear(child.weight, child.bias, keep_weight=child in keep))
+            out_features, in_features = child.weight.shape
+            stock = one_row == "stock" or (one_row == "measure" and stock_wins_one_row(
+                out_features, in_features, child.weight.dtype, torch.get_num_threads()))
+            setattr(module, name, PackedLinear(child.weight, child.bias, child in keep, one_row_stock=stock))
             count += 1
         else:
-            count += pack_linears(child, keep)
+            count += pack_linears(child, keep, one_row)
     return count
 
 
-def pack_model(model: nn.Module) -> bool:
-    """Pack a loaded causal LM's linears if the kernels check out for its dtype; True if packed."""
+def pack_model(model: nn.Module, one_row: str = "measure") -> bool:
+    """Pack a loaded causal LM's linears if the kernels check out for its dtype; True if packed.
+    Its drafters' layers follow the same one_row mode (one_row_mode)."""
     first = next(model.parameters())
     if first.device.type != "cpu" or not packed_kernels_work(first.dtype):
         return False
-    return pack_linears(model, keep=(model.get_output_embeddings(),)) > 0
+    model.speclens_one_row = one_row
+    return pack_linears(model, keep=(model.get_output_embeddings(),), one_row=one_row) > 0
+
+
+def one_row_mode(target: nn.Module) -> str:
+    return getattr(target, "speclens_one_row", "measure")
 
 
 def is_packed(model: nn.Module) -> bool:
@@ -102,7 +162,7 @@ def drafter_module(module: nn.Module, target: nn.Module) -> nn.Module:
     A copy, so the module passed in (for instance one being trained) keeps its nn.Linear layers."""
     module = copy.deepcopy(module).to(next(target.parameters()).device, drafting_dtype(target)).eval()
     if is_packed(target):
-        pack_linears(module)
+        pack_linears(module, one_row=one_row_mode(target))
     return module
 
 
@@ -111,7 +171,11 @@ def drafter_linear(target: nn.Module, weight: torch.Tensor, bias: torch.Tensor |
     packed, else an nn.Linear sharing the given tensors."""
     if is_packed(target):
         dtype = drafting_dtype(target)
-        return PackedLinear(weight.detach().to(dtype), None if bias is None else bias.detach().to(dtype))
+        mode = one_row_mode(target)
+        one_row = mode == "stock" or (mode == "measure" and stock_wins_one_row(
+            weight.shape[0], weight.shape[1], dtype, torch.get_num_threads()))
+        return PackedLinear(weight.detach().to(dtype), None if bias is None else bias.detach().to(dtype),
+                            one_row_stock=one_row)
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
     layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
     if bias is not None:

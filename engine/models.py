@@ -44,7 +44,9 @@ class LoadOptions:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     trust_remote_code: bool = False  # only ever True when the user turns it on for this model
     offload: bool = False  # accelerate device_map="auto" (GPU + CPU offload) for big targets
-    cpu_kernels: str = "auto"  # auto: oneDNN-packed linears on CPU where they check out | stock (training)
+    # auto: oneDNN-packed linears on CPU where they check out, single rows on whichever kernel measures
+    # faster | packed: packed for every block size | stock: nn.Linear (training)
+    cpu_kernels: str = "auto"
 
 
 @dataclass
@@ -183,8 +185,8 @@ def load_model(source: str, options: LoadOptions = LoadOptions(), progress: Prog
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(options.device)
-    if options.cpu_kernels not in ("auto", "stock"):
-        raise ModelLoadError(f"Unknown cpu_kernels {options.cpu_kernels!r}: use auto or stock.")
+    if options.cpu_kernels not in ("auto", "packed", "stock"):
+        raise ModelLoadError(f"Unknown cpu_kernels {options.cpu_kernels!r}: use auto, packed or stock.")
     dtype = resolve_dtype(options.dtype, device)
     kwargs: dict = {"dtype": dtype, "trust_remote_code": options.trust_remote_code}
     path = Path(source).expanduser()
@@ -222,8 +224,9 @@ def load_model(source: str, options: LoadOptions = LoadOptions(), progress: Prog
         model.to(device)
     model.eval()
     use_grouped_attention(model)  # verification blocks read the KV cache in place (engine/attention.py)
-    if device.type == "cpu" and options.cpu_kernels == "auto":
-        pack_model(model)  # float32 stays the CPU default: bfloat16 broke greedy equality (near-ties flip)
+    if device.type == "cpu" and options.cpu_kernels != "stock":
+        # float32 stays the CPU default: bfloat16 broke greedy equality (near-ties flip)
+        pack_model(model, one_row="measure" if options.cpu_kernels == "auto" else "packed")
     return LoadedModel(name=name, source=source, model=model, tokenizer=tokenizer, device=device, dtype=dtype)
 
 

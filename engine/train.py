@@ -61,6 +61,9 @@ class TrainOptions:
     tokens_per_step: int = 2048  # packed tokens per optimiser step
     feature_noise: float = 0.1  # EAGLE: uniform noise on input features, in units of their RMS
     ce_weight: float = 0.1  # EAGLE: weight of the cross-entropy term (the feature regression has weight 1)
+    # EAGLE: drafting passes per training step (2+: later passes read the head's own features; a step
+    # then costs about D(D+1)/2 times as much, with attention over D x tokens_per_step entries)
+    unroll: int = 1
     init_from_target: bool = False  # EAGLE: the decoder layer starts as a copy of the target's last layer
     init_from: str = ""  # a trained head folder of this kind to start from (to continue on more data)
     draft_vocab: int = 8192  # EAGLE: draft only the N most frequent answer tokens (0: the whole vocabulary)
@@ -295,10 +298,63 @@ def _packed(step: list[dict]):
     return torch.cat(positions), torch.block_diag(*blocks), torch.cat(answer)  # [N], [N, N], [N]
 
 
+def unrolled_mask(mask: torch.Tensor, local: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention mask [D*N, D*N] and validity [D*N] of `depth` drafting passes over N packed
+    positions, as the head meets them when it drafts `depth` tokens in a row.
+
+    Pass 1 is teacher-forced: entry t reads (f_t, x_{t+1}) under the packed causal `mask` [N, N].
+    Pass d >= 2 entry t reads the head's own pass-(d-1) prediction for f_t with x_{t+1}, like a
+    drafted node d-1 levels below the committed position c = t-d+1: it sees pass-1 keys at positions
+    <= c of its own sample and, for each pass j = 2..d, the one pass-j key at position c+j-1 (its
+    ancestors and itself). `local` [N] is each entry's position within its sample; entries with
+    fewer than d-1 predecessors have no such chain and are invalid (they attend only themselves)."""
+    import torch
+
+    n = mask.shape[0]
+    eye = torch.eye(n, dtype=torch.bool)
+    offsets = torch.arange(n)[:, None] - torch.arange(n)[None, :]  # [N, N]: t - s
+    blocks = [[torch.zeros(n, n, dtype=torch.bool) for _ in range(depth)] for _ in range(depth)]
+    valid = [torch.ones(n, dtype=torch.bool)]
+    blocks[0][0] = mask
+    for d in range(2, depth + 1):
+        ok = local >= d - 1  # [N]
+        blocks[d - 1][0] = mask & (offsets >= d - 1) & ok[:, None]
+        for j in range(2, d + 1):
+            blocks[d - 1][j - 1] = mask & (offsets == d - j) & ok[:, None]
+        blocks[d - 1][d - 1] |= eye  # invalid entries attend themselves (no empty softmax rows)
+        valid.append(ok)
+    return torch.cat([torch.cat(row, dim=1) for row in blocks]), torch.cat(valid)
+
+
+def unrolled_predictions(head, embeds: torch.Tensor, inputs: torch.Tensor, positions: torch.Tensor,
+                         mask: torch.Tensor, unroll: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's predicted features [D*N, H] over D = unroll passes (see unrolled_mask) and which
+    are valid [D*N]. Each pass's inputs come from the previous pass without gradient; the final
+    call recomputes every pass with gradient, so all D passes train the head."""
+    import torch
+
+    n = inputs.shape[0]
+    if unroll == 1:
+        return head(embeds, inputs, positions, mask), torch.ones(n, dtype=torch.bool)
+    full_mask, valid = unrolled_mask(mask, positions, unroll)  # [D*N, D*N], [D*N]
+    pass_inputs = [inputs]
+    with torch.no_grad():
+        for d in range(1, unroll):
+            m = d * n
+            out = head(embeds.repeat(d, 1), torch.cat(pass_inputs), positions.repeat(d), full_mask[:m, :m])
+            previous = out[(d - 1) * n :]  # [N, H]: pass d's output at t is its f_hat_{t+1}
+            pass_inputs.append(torch.cat([previous[:1], previous[:-1]]).float())  # entry t reads f_hat_t
+    predicted = head(embeds.repeat(unroll, 1), torch.cat(pass_inputs), positions.repeat(unroll), full_mask)
+    return predicted, valid
+
+
 def eagle_loss(head, step: list[dict], embed, lm_head, noise: float, generator,
-               ce_weight: float = 0.1) -> tuple[torch.Tensor, float]:
+               ce_weight: float = 0.1, unroll: int = 1) -> tuple[torch.Tensor, float]:
     """Smooth L1 on the next feature + ce_weight x cross-entropy to the target's next-token
-    distribution (the latter on the answer region only). Returns the loss and the top-1 agreement."""
+    distribution (the latter on the answer region only), averaged over `unroll` drafting passes:
+    pass d feeds the head its own features from pass d-1 (training-time test, as HASS and EAGLE-3
+    do), so it learns to draft deeper than one step from features it predicted itself. Returns the
+    loss and the teacher-forced (pass 1) top-1 agreement."""
     import torch
     from torch import nn
 
@@ -312,11 +368,16 @@ def eagle_loss(head, step: list[dict], embed, lm_head, noise: float, generator,
     with torch.no_grad():
         embeds = embed(tokens)  # [N, H]
         p_target = lm_head(targets[answer]).float().softmax(-1)  # [A, V]
-    predicted = head(embeds, inputs, positions, mask)  # [N, H]
-    regression = nn.functional.smooth_l1_loss(predicted.float(), targets)
-    log_q = lm_head(predicted[answer]).float().log_softmax(-1)  # [A, V]
-    classification = -(p_target * log_q).sum(-1).mean()
-    agreement = float((log_q.argmax(-1) == p_target.argmax(-1)).float().mean())
+    n = inputs.shape[0]
+    predicted, valid = unrolled_predictions(head, embeds, inputs, positions, mask, unroll)  # [D*N, H], [D*N]
+    if unroll > 1:
+        targets, answer, p_target = targets.repeat(unroll, 1), answer.repeat(unroll), p_target.repeat(unroll, 1)
+    keep = valid[answer]  # [A*D]: answer entries with a drafting chain
+    regression = nn.functional.smooth_l1_loss(predicted[valid].float(), targets[valid])
+    log_q = lm_head(predicted[answer]).float().log_softmax(-1)  # [A*D, V]
+    classification = -(p_target[keep] * log_q[keep]).sum(-1).mean()
+    first = slice(0, int(answer[:n].sum()))  # pass 1's answer entries
+    agreement = float((log_q[first].argmax(-1) == p_target[first].argmax(-1)).float().mean())
     return regression + ce_weight * classification, agreement
 
 
@@ -414,17 +475,22 @@ def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: P
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if options.kind == "eagle":
                 noise = options.feature_noise if generator is not None else 0.0
-                return eagle_loss(head, step, embed, lm_head, noise, generator, options.ce_weight)
+                return eagle_loss(head, step, embed, lm_head, noise, generator, options.ce_weight, options.unroll)
             return medusa_loss(head, step, lm_head, label_index)
 
     held_steps = pack(held_out, list(range(len(held_out))), options.tokens_per_step)
 
     def held_out_top1() -> float | None:
+        """Teacher-forced top-1 agreement on the held-out samples (pass 1 only, whatever the unroll)."""
         if not held_steps:
             return None
         head.eval()
-        with torch.no_grad():
-            top1 = sum(step_loss(step, None)[1] for step in held_steps) / len(held_steps)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            if options.kind == "eagle":
+                top1 = sum(eagle_loss(head, step, embed, lm_head, 0.0, None, options.ce_weight)[1]
+                           for step in held_steps) / len(held_steps)
+            else:
+                top1 = sum(step_loss(step, None)[1] for step in held_steps) / len(held_steps)
         head.train()
         return top1
 
@@ -654,6 +720,8 @@ def run(options: TrainOptions) -> dict:
     from engine.models import LoadOptions, load_model
     from engine.session import Engine
 
+    if options.unroll < 1 or (options.unroll > 1 and options.kind != "eagle"):
+        raise ValueError(f"--unroll {options.unroll}: give 1, or 2+ drafting passes for an EAGLE head")
     torch.set_num_threads(options.threads)
     torch.manual_seed(options.seed)
     out = Path(options.out)
@@ -730,7 +798,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         "an EAGLE and a Medusa run with the same prompts can share it")
     defaults = TrainOptions("eagle", "", (), "")
     for name in ("max_prompts", "held_out", "answer_tokens", "sampled_answers", "batch_size", "epochs",
-                 "tokens_per_step", "draft_vocab", "medusa_heads", "medusa_layers", "medusa_tree_nodes", "depth", "top_k", "budget", "chain",
+                 "tokens_per_step", "unroll", "draft_vocab", "medusa_heads", "medusa_layers", "medusa_tree_nodes", "depth", "top_k", "budget", "chain",
                  "eval_tokens", "threads", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--self-prompts", type=int, default=defaults.self_prompts, metavar="N",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.cache import CachedModel
-from engine.cpu_kernels import PackedLinear, is_packed, pack_model, packed_kernels_work
+from engine.cpu_kernels import PackedLinear, drafter_linear, drafter_module, is_packed, pack_model, packed_kernels_work
 from engine.decode import GenerationConfig, generate
 from engine.drafters.eagle import EagleDrafter, EagleHead
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads
@@ -36,17 +36,53 @@ def test_packed_linear_computes_what_linear_computes(dtype):
         assert (got - want).abs().max().item() <= tolerance
 
 
+def test_one_row_stock_sends_single_rows_to_f_linear_and_blocks_to_the_packed_kernel():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 130)
+    layer = PackedLinear(linear.weight, linear.bias, one_row_stock=True)
+    # a packed copy of zeros: whatever goes through the packed kernel comes out as the bias alone
+    layer.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(linear.weight), None)
+    with torch.inference_mode():
+        for shape in ((1, 96), (1, 1, 96)):
+            x = torch.randn(shape)
+            torch.testing.assert_close(layer(x), linear(x), atol=1e-5, rtol=1e-5)
+        block = torch.randn(1, 5, 96)
+        torch.testing.assert_close(layer(block), linear.bias.expand(1, 5, 130))
+    assert PackedLinear(linear.weight, linear.bias).weight is None  # packed-only layers drop the plain copy
+
+
+def test_pack_linears_one_row_modes():
+    for mode, want in (("stock", True), ("packed", False)):
+        model = tiny_llama(seed=0)
+        pack_model(model, one_row=mode)
+        layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        assert layers and all(m.one_row_stock is want for m in layers), mode
+        # the target's drafters take the same mode
+        head = drafter_module(EagleHead.for_target(model.config), model)
+        rows = drafter_linear(model, model.get_output_embeddings().weight[:10], None)
+        drafted = [m for m in head.modules() if isinstance(m, PackedLinear)] + [rows]
+        assert all(m.one_row_stock is want for m in drafted), mode
+    measured = tiny_llama(seed=0)
+    pack_model(measured)  # "measure": each shape takes the kernel that timed faster here; either is valid
+    assert is_packed(measured)
+    with pytest.raises(ValueError, match="one_row"):
+        pack_model(tiny_llama(seed=0), one_row="fast")
+
+
 def test_packed_linear_refuses_to_train():
     linear = torch.nn.Linear(8, 4)
     with pytest.raises(RuntimeError, match="no backward"):
         PackedLinear(linear.weight, linear.bias)(torch.randn(2, 8, requires_grad=True))
 
 
-@pytest.fixture(scope="module")
-def models():
+@pytest.fixture(scope="module", params=["packed", "stock"])
+def models(request):
+    """(stock model, packed copy); the copy's single rows run on the packed kernel or on F.linear
+    (what `auto` picks per shape where stock measures faster), so plain decoding and verification
+    blocks may run on different kernels."""
     stock = tiny_llama(seed=0)
     packed = copy.deepcopy(stock)
-    assert pack_model(packed) and is_packed(packed) and not is_packed(stock)
+    assert pack_model(packed, one_row=request.param) and is_packed(packed) and not is_packed(stock)
     return stock, packed
 
 

@@ -55,6 +55,28 @@ def test_every_method_greedy_equals_plain_decoding(engine):
         assert result.token_ids == plain.token_ids, method
 
 
+def test_every_method_greedy_equals_plain_decoding_with_one_row_stock_kernels():
+    """Plain decoding's single rows on stock F.linear, verification blocks on packed oneDNN kernels
+    (what `auto` does where stock measures faster one row at a time): greedy outputs still agree."""
+    from engine.cpu_kernels import PackedLinear, pack_model, packed_kernels_work
+    from engine.models import DEFAULT_MODEL, LoadOptions, load_model
+    from engine.session import DEFAULT_HEADS, SHIPPED_HEADS
+
+    if not packed_kernels_work(torch.float32):
+        pytest.skip("no oneDNN packed linear in this torch")
+    target = load_model(DEFAULT_MODEL, LoadOptions(device="cpu", dtype="float32", cpu_kernels="stock"))
+    assert pack_model(target.model, one_row="stock")
+    assert all(m.one_row_stock for m in target.model.modules() if isinstance(m, PackedLinear))
+    mixed = Engine(target, None, tuple(str(SHIPPED_HEADS / name) for name in DEFAULT_HEADS))
+    prompts = ["List the days of the week.", "Write a short poem about the sea."]
+    for prompt in prompts:
+        ids = mixed.encode_chat([{"role": "user", "content": prompt}])
+        plain = summary_of(mixed, ids, "ar", n=48)
+        for method in mixed.methods:
+            result = summary_of(mixed, ids, method, k=4, n=48)
+            assert result.token_ids == plain.token_ids, (prompt, method)
+
+
 def test_head_methods_use_the_device_tree_budget(engine):
     from engine.session import EngineError, eagle_top_k, tree_budget
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu_kernels import PackedLinear, is_packed
+from engine.cpu_kernels import PackedLinear, is_packed, one_token_seconds
 from engine.decode import GenerationConfig
 from engine.events import StepEvent, Summary
 from engine.sampling import SamplingParams
@@ -269,6 +269,15 @@ def verify_cost(engine, ids: list[int], sizes: Sequence[int] = VERIFY_SIZES, rou
                 times[t].append(time.perf_counter() - start)
             target.truncate(len(context))
     return {t: sorted(v)[len(v) // 2] for t, v in times.items()}
+
+
+def one_row_kernels(engine) -> tuple[float, float] | None:
+    """Where the target runs single rows on stock kernels (auto measured them faster at load): the
+    median seconds of a one-token forward on stock and on packed kernels, timed again now."""
+    model = engine.target.model
+    if not any(isinstance(m, PackedLinear) and m.one_row_stock for m in model.modules()):
+        return None
+    return one_token_seconds(model)
 
 
 def verify_cost_markdown(engine, costs: dict[int, float], context: int) -> str:
@@ -548,6 +557,10 @@ def _cmd_verify_cost(engine, prompts: Sequence[Prompt], options: BenchOptions, a
     set_threads(engine, ids, options.threads)
     costs = verify_cost(engine, ids)
     print(verify_cost_markdown(engine, costs, len(ids) - 1), end="")
+    kernels = one_row_kernels(engine)
+    if kernels:
+        print(f"\nOne-token forward (no cache), single rows on stock kernels: {1000 * kernels[0]:.1f} ms; "
+              f"on packed kernels: {1000 * kernels[1]:.1f} ms (measured in alternation; auto chose stock)")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": describe_target(engine),
                                                "dtype": str(engine.target.model.dtype), "context": len(ids) - 1,

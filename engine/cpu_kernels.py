@@ -8,12 +8,14 @@ and flattened the cost of verifying a block of tokens (see `speclens bench --ver
 
 Packed weights serve inference only: the op has no backward, so a forward that would need one raises.
 The plain and the speculative paths run the same packed model, so the baseline gets the same speed-up.
-One-row products (plain decoding's whole workload, and chain drafting's) are the exception: on some
-CPUs stock F.linear beats the packed kernel there (on one Intel Xeon the default model's one-token
-forward took 43 ms stock against 51 ms packed; on one AMD EPYC packed won). So each weight shape's
-one-row kernel is measured once per process, and a layer whose stock kernel wins by a clear margin
-keeps its plain weight too and runs single rows through F.linear. Either kernel computes the same
-float32 product up to rounding; tests check that greedy outputs still equal plain decoding.
+One-token forwards (plain decoding's whole workload) are the exception: on some CPUs stock
+F.linear beats the packed kernel there (on one Intel Xeon the default model's one-token forward took
+55 ms stock against 72 ms packed, while 5 tokens took 76 ms stock and 72 ms packed; on one AMD EPYC
+packed won at every size). So a loaded target times its own one-token forward both ways (cold
+weights, as in decoding; a micro-benchmark of one layer keeps its weight in cache and misleads), and
+where stock wins its layers keep their plain weights too and run single rows through F.linear.
+Drafters, whose small weights do stay in cache, choose per weight shape. Either kernel computes the
+same float32 product up to rounding; tests check that greedy outputs still equal plain decoding.
 float32 stays the CPU default: packed bfloat16 was faster still on one machine, but its rounding
 differs between a 1-token and a 5-token forward, which flipped near-tie greedy tokens and so broke
 greedy equality with plain decoding on the default model.
@@ -59,7 +61,8 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
 @functools.cache  # a property of this machine and thread count: measured once per weight shape
 def stock_wins_one_row(out_features: int, in_features: int, dtype: torch.dtype, threads: int) -> bool:
     """Whether stock F.linear multiplies one row by an [out, in] weight at least 10% faster than the
-    packed kernel here (the margin keeps near-equal kernels from flipping between runs)."""
+    packed kernel here (the margin keeps near-equal kernels from flipping between runs). Timed with
+    the weight in cache, as a drafter's small weights are; a target is timed whole (pack_model)."""
     generator = torch.Generator().manual_seed(0)  # not the global RNG: seeded runs stay reproducible
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)  # [out, in]
     x = torch.randn(1, in_features, generator=generator).to(dtype)  # [1, in]
@@ -132,12 +135,46 @@ def pack_linears(module: nn.Module, keep: tuple[nn.Module, ...] = (), one_row: s
 
 def pack_model(model: nn.Module, one_row: str = "measure") -> bool:
     """Pack a loaded causal LM's linears if the kernels check out for its dtype; True if packed.
-    Its drafters' layers follow the same one_row mode (one_row_mode)."""
+    one_row "measure" times the model's one-token forward with single rows on stock and on packed
+    kernels and keeps the faster (stock only if it wins by 5%: near-equal kernels must not flip
+    between runs). Its drafters' layers follow the same mode (one_row_mode)."""
     first = next(model.parameters())
     if first.device.type != "cpu" or not packed_kernels_work(first.dtype):
         return False
     model.speclens_one_row = one_row
-    return pack_linears(model, keep=(model.get_output_embeddings(),), one_row=one_row) > 0
+    keep = (model.get_output_embeddings(),)
+    if one_row != "measure":
+        return pack_linears(model, keep, one_row) > 0
+    if pack_linears(model, keep, "stock") == 0:
+        return False
+    stock, packed = one_token_seconds(model)
+    if stock >= 0.95 * packed:
+        for layer in model.modules():
+            if isinstance(layer, PackedLinear):
+                layer.one_row_stock = False
+                if layer not in keep:
+                    layer.weight = None  # the plain copy is not needed any more
+    return True
+
+
+def one_token_seconds(model: nn.Module, rounds: int = 7) -> tuple[float, float]:
+    """Median seconds of one one-token forward of a packed model with single rows on stock kernels
+    and on packed kernels, measured in alternation so that a noisy neighbour slows both alike."""
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.weight is not None]
+    ids = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)  # [1, 1]
+    times: dict[bool, list[float]] = {True: [], False: []}
+    with torch.inference_mode():
+        for round_ in range(rounds + 2):
+            for stock in (True, False):
+                for layer in layers:
+                    layer.one_row_stock = stock
+                start = time.perf_counter()
+                model(input_ids=ids, use_cache=False)
+                if round_ >= 2:  # the first rounds warm up
+                    times[stock].append(time.perf_counter() - start)
+    for layer in layers:
+        layer.one_row_stock = True
+    return sorted(times[True])[rounds // 2], sorted(times[False])[rounds // 2]
 
 
 def one_row_mode(target: nn.Module) -> str:

@@ -133,3 +133,20 @@ def test_verify_cost_times_every_size_and_leaves_the_cache_as_it_found_it(engine
     out = json.loads((tmp_path / "v.json").read_text())
     assert list(out["verify_ms"]) == [str(t) for t in VERIFY_SIZES]
     assert f"| {VERIFY_SIZES[-1]} |" in capsys.readouterr().out
+
+
+def test_verify_cost_compares_one_row_kernels_where_the_target_keeps_both():
+    from engine.bench import one_row_kernels
+    from engine.cpu_kernels import PackedLinear, pack_model, packed_kernels_work
+
+    if not packed_kernels_work(__import__("torch").float32):
+        pytest.skip("no oneDNN packed linear in this torch")
+    for mode, compared in (("stock", True), ("packed", False)):
+        engine = make_tiny_engine(draft=False)
+        assert pack_model(engine.target.model, one_row=mode)
+        kernels = one_row_kernels(engine)
+        assert (kernels is not None) == compared, mode
+        if compared:
+            assert all(t > 0 for t in kernels)
+            # timing both ways leaves the target as it was: single rows on stock kernels
+            assert all(m.one_row_stock for m in engine.target.model.modules() if isinstance(m, PackedLinear))

@@ -647,6 +647,8 @@ def write_card(out: Path, options: TrainOptions, n_train: int, n_held: int, n_sa
                     + (f"continued from {Path(options.init_from).name}" if options.init_from else
                        "layer initialised from the target's last layer" if options.init_from_target else
                        "random initialisation")
+                    + (f"; training-time test over {options.unroll} drafting passes (passes 2+ read the "
+                       "head's own predicted features)" if options.unroll > 1 else "")
                     if options.kind == "eagle" else
                     f"{options.medusa_heads} heads of {options.medusa_layers} residual block(s), sharing the "
                     "target's LM head" + (f"; continued from {Path(options.init_from).name}" if options.init_from else ""))

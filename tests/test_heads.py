@@ -298,8 +298,11 @@ def test_train_drafter_end_to_end_on_a_tiny_target(tmp_path, target_model, kind)
     # a trained head can be continued on more data; it starts from the saved weights
     again = tmp_path / "continued"
     continued = [str(again) if a == str(out) else "1" if prev == "--epochs" else a for prev, a in zip([""] + args, args)]
-    assert main(continued + ["--init-from", str(out)]) == 0
+    unroll = ["--unroll", "2"] if kind == "eagle" else []  # EAGLE: continued with training-time test
+    assert main(continued + ["--init-from", str(out)] + unroll) == 0
     assert f"continued from {out.name}" in (again / "README.md").read_text()
+    if unroll:
+        assert "--unroll 2" in (again / "README.md").read_text()
     assert (again / "model.safetensors").read_bytes() != before
 
 

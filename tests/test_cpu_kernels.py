@@ -69,6 +69,19 @@ def test_pack_linears_one_row_modes():
         pack_model(tiny_llama(seed=0), one_row="fast")
 
 
+def test_a_model_that_cannot_run_the_timing_probe_still_loads_packed(monkeypatch):
+    model = tiny_llama(seed=0)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("this model needs inputs the probe does not give")
+
+    monkeypatch.setattr(model, "forward", refuse)
+    assert pack_model(model)  # "measure"
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert layers and not any(m.one_row_stock for m in layers)
+    assert all(m.weight is None for m in layers if m is not model.get_output_embeddings())
+
+
 def test_packed_linear_refuses_to_train():
     linear = torch.nn.Linear(8, 4)
     with pytest.raises(RuntimeError, match="no backward"):

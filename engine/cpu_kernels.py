@@ -79,6 +79,11 @@ def stock_wins_one_row(out_features: int, in_features: int, dtype: torch.dtype, 
     return stock < 0.9 * packed_time
 
 
+def _one_row_stock(one_row: str, shape: torch.Size, dtype: torch.dtype) -> bool:
+    """Whether a layer of weight shape [out, in] sends single rows to stock F.linear in this mode."""
+    return one_row == "stock" or (one_row == "measure" and stock_wins_one_row(*shape, dtype, torch.get_num_threads()))
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's packed layout (CPU inference only).
 
@@ -123,9 +128,7 @@ def pack_linears(module: nn.Module, keep: tuple[nn.Module, ...] = (), one_row: s
     count = 0
     for name, child in list(module.named_children()):
         if type(child) is nn.Linear and child.weight.device.type == "cpu":
-            out_features, in_features = child.weight.shape
-            stock = one_row == "stock" or (one_row == "measure" and stock_wins_one_row(
-                out_features, in_features, child.weight.dtype, torch.get_num_threads()))
+            stock = _one_row_stock(one_row, child.weight.shape, child.weight.dtype)
             setattr(module, name, PackedLinear(child.weight, child.bias, child in keep, one_row_stock=stock))
             count += 1
         else:
@@ -211,11 +214,8 @@ def drafter_linear(target: nn.Module, weight: torch.Tensor, bias: torch.Tensor |
     packed, else an nn.Linear sharing the given tensors."""
     if is_packed(target):
         dtype = drafting_dtype(target)
-        mode = one_row_mode(target)
-        one_row = mode == "stock" or (mode == "measure" and stock_wins_one_row(
-            weight.shape[0], weight.shape[1], dtype, torch.get_num_threads()))
         return PackedLinear(weight.detach().to(dtype), None if bias is None else bias.detach().to(dtype),
-                            one_row_stock=one_row)
+                            one_row_stock=_one_row_stock(one_row_mode(target), weight.shape, dtype))
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
     layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
     if bias is not None:

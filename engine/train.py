@@ -368,16 +368,15 @@ def eagle_loss(head, step: list[dict], embed, lm_head, noise: float, generator,
     with torch.no_grad():
         embeds = embed(tokens)  # [N, H]
         p_target = lm_head(targets[answer]).float().softmax(-1)  # [A, V]
-    n = inputs.shape[0]
     predicted, valid = unrolled_predictions(head, embeds, inputs, positions, mask, unroll)  # [D*N, H], [D*N]
-    if unroll > 1:
-        targets, answer, p_target = targets.repeat(unroll, 1), answer.repeat(unroll), p_target.repeat(unroll, 1)
-    keep = valid[answer]  # [A*D]: answer entries with a drafting chain
-    regression = nn.functional.smooth_l1_loss(predicted[valid].float(), targets[valid])
-    log_q = lm_head(predicted[answer]).float().log_softmax(-1)  # [A*D, V]
-    classification = -(p_target[keep] * log_q[keep]).sum(-1).mean()
-    first = slice(0, int(answer[:n].sum()))  # pass 1's answer entries
-    agreement = float((log_q[first].argmax(-1) == p_target[first].argmax(-1)).float().mean())
+    regression = nn.functional.smooth_l1_loss(predicted[valid].float(), targets.repeat(unroll, 1)[valid])
+    answers = answer.repeat(unroll)  # [D*N]
+    log_q = lm_head(predicted[answers & valid]).float().log_softmax(-1)  # [S, V], pass 1's A rows first
+    if unroll > 1:  # each scored entry's target row: its answer position's, whatever the pass
+        p_target = p_target[torch.arange(p_target.shape[0]).repeat(unroll)[valid[answers]]]  # [S, V]
+    classification = -(p_target * log_q).sum(-1).mean()
+    first = int(answer.sum())  # pass 1's answer entries, all valid
+    agreement = float((log_q[:first].argmax(-1) == p_target[:first].argmax(-1)).float().mean())
     return regression + ce_weight * classification, agreement
 
 
@@ -470,12 +469,12 @@ def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: P
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, history = int(state["epoch"]), json.loads(state["history"])
 
-    def step_loss(step: list[dict], generator) -> tuple[torch.Tensor, float]:
+    def step_loss(step: list[dict], generator, unroll: int = options.unroll) -> tuple[torch.Tensor, float]:
         """The kind's loss and top-1 agreement; EAGLE's input features get noise from generator (None: none)."""
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if options.kind == "eagle":
                 noise = options.feature_noise if generator is not None else 0.0
-                return eagle_loss(head, step, embed, lm_head, noise, generator, options.ce_weight, options.unroll)
+                return eagle_loss(head, step, embed, lm_head, noise, generator, options.ce_weight, unroll)
             return medusa_loss(head, step, lm_head, label_index)
 
     held_steps = pack(held_out, list(range(len(held_out))), options.tokens_per_step)
@@ -485,12 +484,8 @@ def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: P
         if not held_steps:
             return None
         head.eval()
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            if options.kind == "eagle":
-                top1 = sum(eagle_loss(head, step, embed, lm_head, 0.0, None, options.ce_weight)[1]
-                           for step in held_steps) / len(held_steps)
-            else:
-                top1 = sum(step_loss(step, None)[1] for step in held_steps) / len(held_steps)
+        with torch.no_grad():
+            top1 = sum(step_loss(step, None, unroll=1)[1] for step in held_steps) / len(held_steps)
         head.train()
         return top1
 

@@ -155,10 +155,11 @@ def pack_model(model: nn.Module, one_row: str = "measure") -> bool:
     except (RuntimeError, TypeError, ValueError):  # a model that cannot run this probe decodes packed
         stock, packed = 1.0, 0.0
     if stock >= 0.95 * packed:
+        output = model.get_output_embeddings()  # now the PackedLinear that replaced keep[0]
         for layer in model.modules():
             if isinstance(layer, PackedLinear):
                 layer.one_row_stock = False
-                if layer not in keep:
+                if layer is not output:
                     layer.weight = None  # the plain copy is not needed any more
     return True
 

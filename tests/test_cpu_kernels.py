@@ -80,6 +80,14 @@ def test_a_model_that_cannot_run_the_timing_probe_still_loads_packed(monkeypatch
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert layers and not any(m.one_row_stock for m in layers)
     assert all(m.weight is None for m in layers if m is not model.get_output_embeddings())
+    assert model.get_output_embeddings().weight is not None  # EAGLE's draft rows and training read it
+    EagleDrafter(_draft_vocab_head(model), CachedModel(model))  # what failed when packed won the timing
+
+
+def _draft_vocab_head(model):
+    head = EagleHead.for_target(model.config)
+    head.draft_vocab = torch.arange(0, model.config.vocab_size, 2)
+    return head
 
 
 def test_packed_linear_refuses_to_train():

@@ -43,18 +43,19 @@ from app.plots import AdvisorPanel
 
 # The engine says which methods a loaded pair offers (Engine.methods); these only name the known ones.
 METHOD_LABELS = {
-    "auto": "Best available (EAGLE + lookup for the default model)",
+    "auto": "Best available (EAGLE + lookup + datastore for the default model)",
     "ar": "Plain autoregressive (no drafting)",
     "draft": "Draft model",
     "lookup": "Prompt lookup",
+    "rest": "Datastore lookup (the target's past answers)",
     "tree": "Token tree (draft model)",
     "eagle": "EAGLE heads (dynamic tree)",
     "eagle_chain": "EAGLE heads (chain)",
-    "eagle_lookup": "EAGLE heads + prompt lookup (one tree)",
+    "eagle_lookup": "EAGLE heads + prompt lookup + datastore if loaded (one tree)",
     "medusa": "Medusa heads",
 }
 # Methods that need no second model: a configured draft model is only loaded for the others.
-TARGET_ONLY_METHODS = frozenset({"auto", "ar", "lookup", "eagle", "eagle_chain", "eagle_lookup", "medusa"})
+TARGET_ONLY_METHODS = frozenset({"auto", "ar", "lookup", "rest", "eagle", "eagle_chain", "eagle_lookup", "medusa"})
 # Resolved by the worker to the loaded engine's best method (Engine.default_method).
 AUTO_METHOD = "auto"
 # Offered before any engine has reported its own list (e.g. settings opened before the first load).

@@ -22,7 +22,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default", help="'default', a model folder, a .gguf file or a hub id")
     parser.add_argument("--draft", default=None, help="draft model (folder, .gguf or hub id) for --method draft/tree")
     parser.add_argument("--drafter", action="append", default=[], metavar="DIR",
-                        help="folder of trained EAGLE or Medusa heads (repeatable); the default target ships its own")
+                        help="folder of trained EAGLE or Medusa heads or of a datastore (repeatable); "
+                             "the default target ships its own")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--trust-remote-code", action="store_true", help="run model code from the model's repo")
@@ -73,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(bench)
     add_bench_arguments(bench)
 
-    train = sub.add_parser("train-drafter", help="train EAGLE or Medusa heads for a target (self-distillation)")
+    train = sub.add_parser("train-drafter", help="train EAGLE or Medusa heads, or build a retrieval datastore, "
+                                                 "for a target (self-distillation)")
     from engine.train import add_train_arguments
 
     add_train_arguments(train)

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from engine.cache import CachedModel
 from engine.decode import GenerationConfig, generate
 from engine.drafters import Drafter
+from engine.drafters.datastore import Datastore, DatastoreDrafter, is_datastore
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.drafters.lookup import PromptLookupDrafter
 from engine.events import Event
@@ -36,10 +38,13 @@ from engine.tree import (CHAIN_PATHS, DEFAULT_TREE_PATHS, DraftModelTreeDrafter,
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "resources" / "drafters"
 # Heads trained for the embedded default target, shipped in resources/ (see their model cards).
-DEFAULT_HEADS = ("eagle-smollm2-135m", "medusa-smollm2-135m")
+DEFAULT_HEADS = ("eagle-smollm2-135m", "medusa-smollm2-135m", "datastore-smollm2-135m")
 # Preferred method when the user names none: the strongest one the loaded models offer.
 PREFERENCE = ("eagle_lookup", "eagle", "medusa", "tree", "draft", "lookup", "ar")
 
+
+# What loading a corrupt or mismatched weights file raises (safetensors has its own error type).
+UNREADABLE_WEIGHTS = (OSError, RuntimeError, KeyError, ValueError, SafetensorError)
 
 MAX_TREE_BUDGET = 64  # draft-tree nodes a head method may verify per step
 
@@ -80,8 +85,17 @@ class Engine:
             self._drafters["tree"] = DraftModelTreeDrafter(
                 CachedModel(draft.model, n_vocab), TreeShape.from_paths(DEFAULT_TREE_PATHS)
             )
-        for folder in heads:
-            self._drafters.update(_head_drafters(Path(folder), self.target_lm, tree_budget(target.device, budget)))
+        configs = {Path(folder): _folder_config(Path(folder)) for folder in heads}
+        stores = [folder for folder, config in configs.items() if is_datastore(config)]
+        if len(stores) > 1:
+            raise EngineError(f"Give at most one datastore folder, not {len(stores)}: {', '.join(map(str, stores))}.")
+        store = _load_datastore(stores[0]) if stores else None
+        if store is not None:
+            self._drafters["rest"] = DatastoreDrafter(store)
+        for folder, config in configs.items():
+            if not is_datastore(config):
+                self._drafters.update(
+                    _head_drafters(folder, config, self.target_lm, tree_budget(target.device, budget), store))
         self.eos_ids = _eos_ids(target)
 
     @classmethod
@@ -149,16 +163,31 @@ class Engine:
         )
 
 
-def _head_drafters(folder: Path, target: CachedModel, budget: int) -> dict[str, TreeDrafter]:
-    """The methods a folder of trained heads adds: EAGLE (dynamic tree, chain, tree with prompt
-    lookup's chain grafted in) or Medusa; trees of `budget` nodes."""
+def _folder_config(folder: Path) -> dict:
+    config_file = folder / "config.json"
+    if not config_file.exists():
+        raise EngineError(f"{folder} holds no config.json: not a folder of EAGLE or Medusa heads or a datastore.")
+    try:
+        return json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"Could not read {config_file}: {exc}") from exc
+
+
+def _load_datastore(folder: Path) -> Datastore:
+    try:
+        return Datastore.load(folder)
+    except UNREADABLE_WEIGHTS as exc:
+        raise EngineError(f"Could not load the datastore in {folder}: {exc}") from exc
+
+
+def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
+                   store: Datastore | None) -> dict[str, TreeDrafter]:
+    """The methods a folder of trained heads adds: EAGLE (dynamic tree, chain, tree with the lookup
+    chains grafted in: prompt lookup's and the datastore's when there is one) or Medusa; trees of
+    `budget` nodes."""
     from engine.drafters.eagle import EagleDrafter, EagleHead
     from engine.drafters.medusa import MedusaDrafter, MedusaHeads, sparse_tree_paths
 
-    config_file = folder / "config.json"
-    if not config_file.exists():
-        raise EngineError(f"{folder} holds no config.json: not a folder of EAGLE or Medusa heads.")
-    config = json.loads(config_file.read_text())
     text_config = target.model.config.get_text_config()
     try:
         if "medusa_num_heads" in config:
@@ -171,7 +200,7 @@ def _head_drafters(folder: Path, target: CachedModel, budget: int) -> dict[str, 
                 paths = heads.config.get("medusa_choices") or DEFAULT_TREE_PATHS
             return {"medusa": MedusaDrafter(heads, target, TreeShape.from_paths(paths))}
         head = EagleHead.load(folder)
-    except (OSError, RuntimeError, KeyError, ValueError) as exc:
+    except UNREADABLE_WEIGHTS as exc:
         raise EngineError(f"Could not load the heads in {folder}: {exc}") from exc
     if head.config.hidden_size != text_config.hidden_size:
         raise EngineError(
@@ -182,7 +211,7 @@ def _head_drafters(folder: Path, target: CachedModel, budget: int) -> dict[str, 
     return {
         "eagle": tree,
         "eagle_chain": EagleDrafter(head, target, shape=TreeShape.from_paths(CHAIN_PATHS), name="eagle_chain"),
-        "eagle_lookup": LookupGraftedDrafter(tree, "eagle_lookup"),
+        "eagle_lookup": LookupGraftedDrafter(tree, "eagle_lookup", store),
     }
 
 

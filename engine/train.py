@@ -27,15 +27,17 @@ Only the standard library is imported at module level, so that `speclens --help`
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-KINDS = ("eagle", "medusa")
+KINDS = ("eagle", "medusa", "datastore")
 SAMPLE_TEMPERATURE = 0.7  # temperature of the extra (sampled) distilled answers
 
 
@@ -593,8 +595,26 @@ def drafter_for(kind: str, head, target, shape, options: TrainOptions):
 
 def evaluate_tau(model, tokenizer, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], head,
                  options: TrainOptions) -> dict[str, dict]:
-    """Greedy decoding on held-out prompts per decoding setup: tau = emitted tokens / target passes,
-    with the mean draft and verify time per step."""
+    """Greedy decoding on held-out prompts per decoding setup of the head (see evaluate_drafters)."""
+    setups = {
+        name: EvalSetup(setup["description"], setup["depth"],
+                        functools.partial(drafter_for, options.kind, head, shape=setup["shape"], options=options))
+        for name, setup in decoding_setups(options.kind, head, options).items()
+    }
+    return evaluate_drafters(model, tokenizer, prompt_ids, eos_ids, setups, options.eval_tokens)
+
+
+@dataclass(frozen=True)
+class EvalSetup:
+    description: str
+    depth: int  # K of a chain drafter, the tree depth of a tree drafter
+    make_drafter: Callable  # CachedModel of the target -> the drafter (heads read that model's features)
+
+
+def evaluate_drafters(model, tokenizer, prompt_ids: list[list[int]], eos_ids: tuple[int, ...],
+                      setups: dict[str, EvalSetup], eval_tokens: int) -> dict[str, dict]:
+    """Greedy decoding on held-out prompts per setup: tau = emitted tokens / target passes, with the
+    mean draft and verify time per step."""
     from tqdm import tqdm
 
     from engine.cache import CachedModel
@@ -602,10 +622,10 @@ def evaluate_tau(model, tokenizer, prompt_ids: list[list[int]], eos_ids: tuple[i
     from engine.events import StepEvent, Summary
 
     results = {}
-    for name, setup in decoding_setups(options.kind, head, options).items():
+    for name, setup in setups.items():
         target = CachedModel(model, len(tokenizer))
-        drafter = drafter_for(options.kind, head, target, setup["shape"], options)
-        config = GenerationConfig(method=options.kind, k=setup["depth"], max_new_tokens=options.eval_tokens)
+        drafter = setup.make_drafter(target)
+        config = GenerationConfig(method=name, k=setup.depth, max_new_tokens=eval_tokens)
         new = steps = 0
         draft_s = verify_s = 0.0
         start = time.perf_counter()
@@ -617,7 +637,7 @@ def evaluate_tau(model, tokenizer, prompt_ids: list[list[int]], eos_ids: tuple[i
                 elif isinstance(event, Summary):
                     new += event.new_tokens
                     steps += event.steps
-        results[name] = {"description": setup["description"], "tau": new / max(steps, 1), "tokens": new,
+        results[name] = {"description": setup.description, "tau": new / max(steps, 1), "tokens": new,
                          "target_passes": steps, "prompts": len(prompt_ids),
                          "draft_ms_per_step": 1000 * draft_s / max(steps, 1),
                          "verify_ms_per_step": 1000 * verify_s / max(steps, 1),
@@ -625,17 +645,18 @@ def evaluate_tau(model, tokenizer, prompt_ids: list[list[int]], eos_ids: tuple[i
     return results
 
 
+def _tau_row(r: dict) -> str:
+    return (f"| **tau on held-out prompts, {r['description']}** | **{r['tau']:.3f}** ({r['tokens']} tokens in "
+            f"{r['target_passes']} target passes over {r['prompts']} prompts; draft {r['draft_ms_per_step']:.1f} ms, "
+            f"verify {r['verify_ms_per_step']:.1f} ms per step) |")
+
+
 def write_card(out: Path, options: TrainOptions, n_train: int, n_held: int, n_samples: tuple[int, int], n_tokens: int,
                n_steps: int, history: list[dict], tau: dict[str, dict], target_name: str, command: str,
                draft_vocab_coverage: float | None = None) -> None:
     last = history[-1] if history else {}
     kind = "EAGLE-1" if options.kind == "eagle" else "Medusa-1"
-    rows = "\n".join(
-        f"| **tau on held-out prompts, {r['description']}** | **{r['tau']:.3f}** ({r['tokens']} tokens in {r['target_passes']} target "
-        f"passes over {r['prompts']} prompts; draft {r['draft_ms_per_step']:.1f} ms, verify "
-        f"{r['verify_ms_per_step']:.1f} ms per step) |"
-        for r in tau.values()
-    )
+    rows = "\n".join(_tau_row(r) for r in tau.values())
     sampled = (f" plus {options.sampled_answers} answer(s) sampled at temperature {SAMPLE_TEMPERATURE}"
                if options.sampled_answers else "")
     architecture = ("one Llama decoder layer over fc([embed(token); feature]); "
@@ -700,6 +721,71 @@ last part): `{json.dumps(_neutral(options))}`.
     (out / "README.md").write_text(text, encoding="utf-8")
 
 
+def build_datastore(options: TrainOptions, samples: list[dict], engine, held_ids: list[list[int]],
+                    counts: tuple[int, int, int]) -> dict:
+    """Kind `datastore`: store the distilled answers (no training), measure tau on the held-out
+    prompts with the datastore alone and with prompt lookup alone, and write the card."""
+    from engine.drafters.datastore import Datastore, DatastoreDrafter
+    from engine.drafters.lookup import PromptLookupDrafter
+
+    answers = [s["tokens"][int(s["answer_start"]):].tolist() for s in samples]
+    store = Datastore.build(answers)
+    out = Path(options.out)
+    store.save(out, target=engine.target.name, answer_tokens=options.answer_tokens)
+    setups = {
+        "rest": EvalSetup(f"the datastore alone (method rest), K={options.chain}", options.chain,
+                          lambda target: DatastoreDrafter(store)),
+        "lookup": EvalSetup(f"prompt lookup alone, for comparison, K={options.chain}", options.chain,
+                            lambda target: PromptLookupDrafter()),
+    }
+    tau = evaluate_drafters(engine.target.model, engine.target.tokenizer, held_ids, engine.eos_ids, setups,
+                            options.eval_tokens)
+    n_train, n_held, own = counts
+    _write_datastore_card(out, options, store, n_train, n_held, (own, len(samples) - own), tau,
+                          engine.target.name, _command(options))
+    result = {"tau": tau, "history": []}
+    (out / "training.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _write_datastore_card(out: Path, options: TrainOptions, store, n_train: int, n_held: int,
+                          n_samples: tuple[int, int], tau: dict[str, dict], target_name: str, command: str) -> None:
+    rows = "\n".join(_tau_row(r) for r in tau.values())
+    prompt_files = ", ".join(Path(p).name for p in options.prompts)
+    extra = (f" Also {n_samples[1]} answers distilled the same way from other prompts: "
+             + ", ".join(Path(p).name for p in options.extra_data) + "." if options.extra_data else "")
+    written = (f", and {options.self_prompts} user prompts the target wrote itself (self-prompts.jsonl, as in Magpie)"
+               if options.self_prompts else "")
+    text = f"""# Retrieval datastore for {target_name}
+
+Built by `speclens train-drafter --kind datastore`: the target answered {n_train} training prompts
+with the chat template, greedily (up to {options.answer_tokens} new tokens each), and its answers were
+stored for retrieval drafting (REST). Prompts: {prompt_files}{written}; {n_held} other prompts of the
+files were held out for the evaluation below.{extra} Nothing is trained; drafts are the most frequent
+continuations, in these answers, of the context's last tokens (up to {store.ngram}).
+
+| | |
+|---|---|
+| target | {target_name} |
+| stored answers / tokens | {store.sequences} / {store.tokens.numel() - store.sequences} |
+{rows}
+
+tau = emitted tokens / target verification passes, greedy (temperature 0), chat template, up to
+{options.eval_tokens} new tokens per prompt. The datastore is most useful grafted into the EAGLE
+tree next to prompt lookup's chain (method `eagle_lookup`); see the README's benchmarks.
+
+Reproduce (from the repository root):
+
+```
+{command}
+```
+
+Files: `config.json`, `datastore.safetensors` (int32 token ids, -1 between answers), `training.json`.
+Options (paths shortened to their last part): `{json.dumps(_neutral(options))}`.
+"""
+    (out / "README.md").write_text(text, encoding="utf-8")
+
+
 def _neutral(options: TrainOptions) -> dict:
     """The options with every path cut to its last part (a card must not name this machine's folders)."""
     values = asdict(options)
@@ -743,6 +829,8 @@ def run(options: TrainOptions) -> dict:
     for path in options.extra_data:
         samples = samples + torch.load(path, weights_only=True)
     held_ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in held_out]
+    if options.kind == "datastore":
+        return build_datastore(options, samples, engine, held_ids, (len(train_prompts), len(held_out), own))
     held_samples = distil(teacher, held_ids, engine.eos_ids,
                           replace(options, data=str(out / "held-out.pt"), sampled_answers=0))  # greedy only
     head = new_head(options.kind, model, options)

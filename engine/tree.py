@@ -18,6 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from engine.cache import CachedModel
+from engine.drafters.datastore import Datastore
 from engine.drafters.lookup import lookup
 from engine.sampling import SamplingParams, process_logits
 from engine.verify import tree_children, verify_tree, verify_tree_greedy
@@ -281,17 +282,20 @@ def graft_chain(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
 
 
 class LookupGraftedDrafter:
-    """A tree drafter whose deterministic trees also carry the prompt-lookup continuation.
+    """A tree drafter whose deterministic trees also carry the lookup continuations.
 
     Prompt lookup costs nothing and is right where the answer repeats its context (extraction,
-    summaries, code edits); a learned head is right elsewhere. With lookup's chain grafted into the
-    head's tree, one target forward verifies both and the longest accepted path wins. Sampled trees
-    (static shapes at temperature > 0) carry their draft distributions and are left as they are.
+    summaries, code edits); a datastore of the target's earlier answers (engine.drafters.datastore)
+    is right where it falls into its set phrases; a learned head is right elsewhere. With the lookup
+    chains grafted into the head's tree, one target forward verifies all of them and the longest
+    accepted path wins. Sampled trees (static shapes at temperature > 0) carry their draft
+    distributions and are left as they are.
     """
 
-    def __init__(self, base: TreeDrafter, name: str):
+    def __init__(self, base: TreeDrafter, name: str, store: Datastore | None = None):
         self.base = base
         self.name = name
+        self.store = store
 
     def prefill(self, ids: list[int]) -> None:
         self.base.prefill(ids)
@@ -303,8 +307,13 @@ class LookupGraftedDrafter:
         self, ids: list[int], depth: int, params: SamplingParams, generator: torch.Generator | None
     ) -> DraftTree:
         tree = self.base.propose_tree(ids, depth, params, generator)
-        chain = lookup(ids, depth)
-        return graft_chain(tree, chain) if chain and tree.probs is None else tree
+        if tree.probs is not None:
+            return tree
+        chains = [lookup(ids, depth), self.store.continuation(ids, depth) if self.store else []]
+        for chain in chains:
+            if chain:
+                tree = graft_chain(tree, chain)
+        return tree
 
 
 def tree_step(target: CachedModel, drafter: TreeDrafter, ids: list[int], depth: int,

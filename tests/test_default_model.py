@@ -47,7 +47,8 @@ def test_multi_turn_reuses_cache_and_stays_exact(engine):
 
 
 def test_every_method_greedy_equals_plain_decoding(engine):
-    assert {"eagle", "eagle_chain", "eagle_lookup", "medusa"} <= set(engine.methods)  # the shipped heads load
+    assert {"eagle", "eagle_chain", "eagle_lookup", "medusa", "rest"} <= set(engine.methods)  # the shipped ones load
+    assert engine.drafter("eagle_lookup").store is engine.drafter("rest").store  # the datastore is grafted too
     ids = engine.encode_chat([{"role": "user", "content": "List the days of the week."}])
     plain = summary_of(engine, ids, "ar", n=48)
     for method in engine.methods:

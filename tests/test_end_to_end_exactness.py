@@ -13,6 +13,7 @@ import engine.decode as decode
 import engine.verify
 from engine.cache import CachedModel
 from engine.decode import GenerationConfig, generate
+from engine.drafters.datastore import Datastore
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.events import Summary
 from engine.sampling import SamplingParams
@@ -75,10 +76,14 @@ def test_adaptive_k_generation_is_exact(models):
     assert law_matches(counts, exact_marginals(models[0]))
 
 
-def test_lookup_grafted_tree_generation_is_exact(models):
-    """Prompt lookup's chain grafted into a dynamic draft tree (what eagle_lookup does): the small
-    vocabulary makes lookup find matches in most steps, so grafted branches are verified often."""
-    drafter = LookupGraftedDrafter(DraftModelTreeDrafter(CachedModel(models[1]), None, top_k=2, budget=4), "tree_lookup")
+@pytest.mark.parametrize("with_store", [False, True])
+def test_lookup_grafted_tree_generation_is_exact(models, with_store):
+    """Prompt lookup's chain (and a datastore's) grafted into a dynamic draft tree (what eagle_lookup
+    does): the small vocabulary makes lookup find matches in most steps, so grafted branches are
+    verified often."""
+    store = Datastore.build(torch.randint(VOCAB, (20, 12), generator=torch.Generator().manual_seed(5)).tolist())
+    drafter = LookupGraftedDrafter(DraftModelTreeDrafter(CachedModel(models[1]), None, top_k=2, budget=4), "tree_lookup",
+                                   store if with_store else None)
     config = GenerationConfig(method="tree_lookup", k=3, max_new_tokens=N_TOKENS, sampling=PARAMS)
     counts = sampled_counts(models, config, trials=3000, drafter=drafter)
     assert law_matches(counts, exact_marginals(models[0]))

@@ -360,3 +360,13 @@ def test_eagle_cached_drafting_after_rollbacks_equals_uncached(target_model, sha
     tree = drafter.propose_tree(ids, 4, SamplingParams(), None)
     assert drafter.cache.get_seq_length() == len(ids) - 1  # the tree was cropped off again
     _assert_tree_features_equal_linear_runs(drafter, head, target_model, ids, tree.tokens.tolist(), list(tree.parents))
+
+
+def test_corrupt_head_weights_are_a_clear_error(tmp_path, target_model):
+    from engine.session import Engine, EngineError
+    from tests.tiny import loaded
+
+    EagleHead.for_target(target_model.config).save(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)  # a truncated or damaged download
+    with pytest.raises(EngineError, match="Could not load the heads"):
+        Engine(loaded(target_model, "tiny-target"), heads=(str(tmp_path),))

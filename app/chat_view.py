@@ -66,8 +66,9 @@ def token_tooltip(token: TokenEvent) -> str:
     def num(value: float | None) -> str:
         return "—" if value is None else f"{value:.3f}"
 
+    proposer = f", drafted by {token.proposer}" if token.proposer else ""
     return (
-        f"{SOURCE_STYLES[token.source].label} ({token.source})\n"
+        f"{SOURCE_STYLES[token.source].label} ({token.source}{proposer})\n"
         f"step {token.step}, position {token.pos}\n"
         f"p_target {num(token.p_target)}   p_draft {num(token.p_draft)}\n"
         f"accept probability {num(token.accept_prob)}"

@@ -39,7 +39,7 @@ CREATE TABLE IF NOT EXISTS messages (
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
 """
 
-_TOKEN_FIELDS = ("token_id", "text", "source", "step", "pos", "p_target", "p_draft")
+_TOKEN_FIELDS = tuple(TokenEvent.__dataclass_fields__)  # older rows lack the trailing fields; defaults fill them
 _STEP_FIELDS = tuple(StepEvent.__dataclass_fields__)
 
 

@@ -64,6 +64,7 @@ class Run:
     steps: int | None  # target verify passes (ours); None for HF methods
     position_drafted: tuple[int, ...] = ()
     position_accepted: tuple[int, ...] = ()
+    accepted_by: tuple[tuple[str, int], ...] = ()  # accepted draft tokens per proposer
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class MethodResult:
     per_position_acceptance: tuple[float, ...]
     new_tokens: int
     seconds: float
+    accepted_by: dict[str, int] = field(default_factory=dict)  # accepted draft tokens per proposer
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,7 @@ def run_ours(engine, method: str, ids: list[int], options: BenchOptions, seed: i
             summary = event
     return Run(
         method, -1, "", summary.token_ids, summary.elapsed_s - summary.prefill_s, summary.steps,
-        tuple(drafted), tuple(accepted),
+        tuple(drafted), tuple(accepted), summary.accepted_by,
     )
 
 
@@ -380,6 +382,10 @@ def aggregate(runs: Sequence[Run], methods: Sequence[str], greedy: bool) -> dict
         drafted = [sum(r.position_drafted[i] for r in mine if i < len(r.position_drafted)) for i in range(depth)]
         accepted = [sum(r.position_accepted[i] for r in mine if i < len(r.position_accepted)) for i in range(depth)]
         rate = _rate(mine)
+        by: dict[str, int] = {}
+        for run in mine:
+            for proposer, n in run.accepted_by:
+                by[proposer] = by.get(proposer, 0) + n
         results[method] = MethodResult(
             tokens_per_s=rate,
             speedup_vs_ar=rate / ar_rate if ar_rate else None,
@@ -388,6 +394,7 @@ def aggregate(runs: Sequence[Run], methods: Sequence[str], greedy: bool) -> dict
             per_position_acceptance=tuple(a / d for a, d in zip(accepted, drafted)),
             new_tokens=new_tokens,
             seconds=seconds,
+            accepted_by=dict(sorted(by.items(), key=lambda item: -item[1])),
         )
     return results
 
@@ -460,6 +467,12 @@ def markdown(report: BenchReport) -> str:
             for n in names
         ]
         lines.append(f"| {category} | " + " | ".join(cells) + " |")
+    mixed = {name: r.accepted_by for name, r in report.methods.items() if len(r.accepted_by) > 1}
+    if mixed:  # methods that verify several drafters' proposals in one pass: whose tokens were accepted
+        lines += ["", "| method | accepted draft tokens by proposer |", "|---|---|"]
+        for name, by in mixed.items():
+            total = sum(by.values())
+            lines.append(f"| {name} | " + ", ".join(f"{p} {n} ({n / total:.0%})" for p, n in by.items()) + " |")
     return "\n".join(lines) + "\n"
 
 

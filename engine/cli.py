@@ -153,7 +153,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if args.jsonl:
                 print(json.dumps({"type": "token", "id": event.token_id, "text": event.text, "source": event.source,
                                   "step": event.step, "pos": event.pos, "p_target": event.p_target,
-                                  "p_draft": event.p_draft}), flush=True)
+                                  "p_draft": event.p_draft, "proposer": event.proposer}), flush=True)
             elif event.text:
                 start = ANSI[event.source] if colour else ""
                 print(f"{start}{event.text}{RESET if start else ''}", end="", flush=True)
@@ -179,6 +179,7 @@ def summary_record(summary) -> dict:
         "mean_accepted_length": summary.mean_accepted_length,
         "per_position_acceptance": list(summary.per_position_acceptance),
         "accepted_length_histogram": list(summary.accepted_length_histogram),
+        "accepted_by": dict(summary.accepted_by),
         "tokens_per_s": summary.tokens_per_s,
         "elapsed_s": summary.elapsed_s,
         "prefill_s": summary.prefill_s,
@@ -189,10 +190,11 @@ def summary_record(summary) -> dict:
 def print_summary(record: dict) -> None:
     legend = "  ".join(f"{ANSI[s]}{s}{RESET}" if ANSI[s] else s for s in ANSI)
     per_pos = " ".join(f"{a:.2f}" for a in record["per_position_acceptance"]) or "-"
+    by = ", ".join(f"{name} {n}" for name, n in record["accepted_by"].items())
     print(
         f"[{record['method']}] {record['new_tokens']} tokens in {record['steps']} steps, "
         f"{record['tokens_per_s']:.1f} tok/s; drafted {record['drafted']}, accepted {record['accepted']} "
-        f"({record['acceptance_rate']:.0%}); tau {record['mean_accepted_length']:.2f}; "
+        f"({record['acceptance_rate']:.0%}{'; by ' + by if by else ''}); tau {record['mean_accepted_length']:.2f}; "
         f"per position {per_pos}; stop: {record['stop_reason']}",
         file=sys.stderr,
     )

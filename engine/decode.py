@@ -48,6 +48,7 @@ class StepResult:
     p_draft: list[float | None]  # per emitted token, under its draft row (None past the draft)
     draft_s: float
     verify_s: float
+    proposers: tuple[str | None, ...] = ()  # per emitted token: who drafted it (None: the target's own)
 
 
 def speculative_step(
@@ -95,7 +96,8 @@ def speculative_step(
     else:
         pd = draft.probs[rows[:n_rows].to(draft.probs.device), token_ids[:n_rows].to(draft.probs.device)].tolist()
     pd += [None] * (len(tokens) - n_rows)
-    return StepResult(tokens, n_draft, n_accepted, pt, pd, t1 - t0, t2 - t1)
+    proposers = (drafter.name,) * n_accepted + (None,) if drafter else (None,)
+    return StepResult(tokens, n_draft, n_accepted, pt, pd, t1 - t0, t2 - t1, proposers)
 
 
 def _draft_rows(draft: Draft, vocab: int, device: torch.device) -> torch.Tensor:
@@ -158,6 +160,7 @@ def generate(
     position_drafted: list[int] = []
     position_accepted: list[int] = []
     histogram: list[int] = []
+    accepted_by: dict[str, int] = {}
     stop_reason = "max_new_tokens"
     draft_length = config.k
     done = False
@@ -197,7 +200,10 @@ def generate(
                 delta = delta[:hit]
             text += delta
             source = token_source(pos, step.drafted, step.accepted)
-            yield TokenEvent(token, delta, source, steps, pos, step.p_target[pos], step.p_draft[pos])
+            proposer = step.proposers[pos] if pos < len(step.proposers) else None
+            if proposer is not None:
+                accepted_by[proposer] = accepted_by.get(proposer, 0) + 1
+            yield TokenEvent(token, delta, source, steps, pos, step.p_target[pos], step.p_draft[pos], proposer)
             if token in eos:
                 stop_reason, done = "eos", True
             elif hit is not None:
@@ -235,6 +241,7 @@ def generate(
         stop_reason=stop_reason,
         text=text,
         token_ids=tuple(new_ids),
+        accepted_by=tuple(sorted(accepted_by.items(), key=lambda item: -item[1])),
     )
 
 

@@ -20,6 +20,8 @@ class TokenEvent:
     `pos` is the token's index inside the verified block (0 = first position after the committed
     prefix). `p_target` / `p_draft` are the processed probabilities of this token under the target
     row and the draft row at that position (`p_draft` is None where nothing was drafted there).
+    `proposer` names the drafter whose proposal an accepted draft token was (for eagle_lookup: the
+    head, prompt lookup or the datastore); None for the target's own tokens.
     """
 
     token_id: int
@@ -29,6 +31,7 @@ class TokenEvent:
     pos: int
     p_target: float
     p_draft: float | None
+    proposer: str | None = None
 
     @property
     def accept_prob(self) -> float | None:
@@ -71,6 +74,7 @@ class Summary:
     stop_reason: Literal["eos", "stop_string", "max_new_tokens", "cancelled"]
     text: str
     token_ids: tuple[int, ...] = field(repr=False, default=())
+    accepted_by: tuple[tuple[str, int], ...] = ()  # accepted draft tokens per proposer, most first
 
     @property
     def acceptance_rate(self) -> float:

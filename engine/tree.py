@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -119,6 +119,7 @@ class DraftTree:
     parents: tuple[int, ...]  # [N], parents[0] = -1, parents[i] < i
     probs: torch.Tensor | None  # [N, V] q each node was drawn from at its parent; None: deterministic
     without_replacement: bool = False  # siblings were sampled from q without replacement
+    proposers: tuple[str, ...] = ()  # [N] who drafted each node (node 0: ""); (): the tree's drafter
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -260,12 +261,14 @@ class DraftModelTreeDrafter:
         return DraftTree(torch.tensor(tokens, device=device), tuple(parents), probs, without_replacement)
 
 
-def graft_chain(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
+def graft_chain(tree: DraftTree, chain: Sequence[int], proposer: str = "") -> DraftTree:
     """The deterministic tree with the token chain hung below its root, sharing any prefix the tree
-    already holds: siblings stay distinct tokens, as multi-candidate verification requires."""
+    already holds: siblings stay distinct tokens, as multi-candidate verification requires. New
+    nodes are credited to `proposer`; shared ones keep the proposer that drafted them first."""
     if tree.probs is not None:
         raise ValueError("only a deterministic tree can take a deterministic chain")
     tokens, parents = tree.tokens.tolist(), list(tree.parents)
+    proposers = list(tree.proposers) or [""] * len(tokens)
     children = tree_children(parents)
     node = 0
     for token in chain:
@@ -275,10 +278,12 @@ def graft_chain(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
         else:
             tokens.append(token)
             parents.append(node)
+            proposers.append(proposer)
             children.append([])
             children[node].append(len(tokens) - 1)
             node = len(tokens) - 1
-    return DraftTree(torch.tensor(tokens, device=tree.tokens.device), tuple(parents), None, tree.without_replacement)
+    return DraftTree(torch.tensor(tokens, device=tree.tokens.device), tuple(parents), None, tree.without_replacement,
+                     tuple(proposers))
 
 
 class LookupGraftedDrafter:
@@ -309,10 +314,11 @@ class LookupGraftedDrafter:
         tree = self.base.propose_tree(ids, depth, params, generator)
         if tree.probs is not None:
             return tree
-        chains = [lookup(ids, depth), self.store.continuation(ids, depth) if self.store else []]
-        for chain in chains:
+        tree = replace(tree, proposers=("", *[self.base.name] * (len(tree) - 1)))
+        chains = {"lookup": lookup(ids, depth), "rest": self.store.continuation(ids, depth) if self.store else []}
+        for proposer, chain in chains.items():
             if chain:
-                tree = graft_chain(tree, chain)
+                tree = graft_chain(tree, chain, proposer)
         return tree
 
 
@@ -362,4 +368,6 @@ def tree_step(target: CachedModel, drafter: TreeDrafter, ids: list[int], depth: 
             pd.append(float(any(tokens[c] == token for c in below)))
         else:
             pd.append(float(tree.probs[below[0], token]))
-    return StepResult(emitted, drafted, len(path), pt, pd, t1 - t0, t2 - t1)
+    credited = tree.proposers or ("", *[drafter.name] * (len(tokens) - 1))
+    proposers = (*(credited[node] for node in path), None)
+    return StepResult(emitted, drafted, len(path), pt, pd, t1 - t0, t2 - t1, proposers)

@@ -12,7 +12,7 @@ from tests.app_fixtures import app_dirs, make_window, send_and_wait, tiny_factor
 
 def tok(text: str, source: str, step: int = 0, pos: int = 0) -> TokenEvent:
     p_draft = None if source in ("target", "bonus") else 0.5
-    return TokenEvent(1, text, source, step, pos, 0.25, p_draft)
+    return TokenEvent(1, text, source, step, pos, 0.25, p_draft, "lookup" if source == "draft_accepted" else None)
 
 
 def char_sources(view: ChatView, start: int, end: int) -> list[tuple[str, str | None]]:
@@ -66,6 +66,7 @@ def test_streamed_tokens_carry_their_source_format(qtbot):
             assert fmt.background().style().name == "NoBrush"
         assert fmt.toolTip() == token_tooltip(token)
         assert f"step {token.step}" in fmt.toolTip()
+        assert ("drafted by lookup" in fmt.toolTip()) == (token.source == "draft_accepted")
 
 
 def test_finished_answer_renders_markdown_and_keeps_colours(qtbot):

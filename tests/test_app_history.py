@@ -30,7 +30,7 @@ def test_store_round_trip_rename_delete_export(app_dirs):
     cid = store.create_conversation("Paris")
     store.add_message(cid, "user", "Capital of France?")
     mid = store.add_message(cid, "assistant", "", complete=False)
-    tokens = (TokenEvent(5, "Paris", "draft_accepted", 0, 0, 0.9, 0.8), TokenEvent(6, ".", "bonus", 0, 1, 0.7, None))
+    tokens = (TokenEvent(5, "Paris", "draft_accepted", 0, 0, 0.9, 0.8, "rest"), TokenEvent(6, ".", "bonus", 0, 1, 0.7, None))
     steps = (StepEvent(0, 4, 1, 1, 2, 0.01, 0.02, 2, 0.1),)
     store.update_message(mid, "Paris.", tokens, steps, meta="lookup", complete=True)
     other = store.create_conversation("Other")
@@ -46,6 +46,7 @@ def test_store_round_trip_rename_delete_export(app_dirs):
     assert md.startswith("# France") and "Capital of France?" in md and "Paris." in md
     exported = json.loads(reopened.export_json(cid))
     assert exported["messages"][1]["tokens"][0]["source"] == "draft_accepted"
+    assert exported["messages"][1]["tokens"][0]["proposer"] == "rest"
     reopened.delete(cid)
     assert [c.id for c in reopened.conversations()] == [other]
     assert reopened.messages(cid) == []
@@ -128,3 +129,14 @@ def test_sigkill_mid_answer_leaves_the_database_intact(app_dirs, tmp_path):
     assert assistant.role == "assistant" and not assistant.complete
     assert assistant.content.startswith(partial) and assistant.tokens
     assert "".join(t.text for t in assistant.tokens) == assistant.content
+
+
+def test_messages_saved_before_tokens_had_a_proposer_still_load(app_dirs):
+    store = HistoryStore()
+    cid = store.create_conversation("Old")
+    mid = store.add_message(cid, "assistant", "Hi", complete=True)
+    old_row = json.dumps([[7, "Hi", "draft_accepted", 0, 0, 0.5, 0.4]])  # the seven fields of earlier versions
+    store._db.execute("UPDATE messages SET tokens = ? WHERE id = ?", (old_row, mid))
+    (message,) = HistoryStore().messages(cid)
+    assert message.tokens == (TokenEvent(7, "Hi", "draft_accepted", 0, 0, 0.5, 0.4),)
+    assert message.tokens[0].proposer is None

@@ -16,7 +16,8 @@ PROMPTS = [
     Prompt("code", ("def add(a, b):\n    return a + b\n",)),
     Prompt("copy", ("The capital of France is Paris. The capital of Italy is Rome.",)),
 ]
-REQUIRED = {"tokens_per_s", "speedup_vs_ar", "tau", "equal_to_ar", "per_position_acceptance", "new_tokens", "seconds"}
+REQUIRED = {"tokens_per_s", "speedup_vs_ar", "tau", "equal_to_ar", "per_position_acceptance", "new_tokens", "seconds",
+            "accepted_by"}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,9 @@ def test_json_has_the_documented_form(greedy_report, tmp_path):
         assert set(result) == REQUIRED
     for per_method in data["categories"].values():
         assert set(per_method["ar"]) == REQUIRED
+    assert data["methods"]["ar"]["accepted_by"] == {}
+    lookup = data["methods"]["lookup"]
+    assert set(lookup["accepted_by"]) == {"lookup"} and lookup["accepted_by"]["lookup"] > 0
 
 
 def test_sampling_bench_reports_no_equality(engine):

@@ -6,7 +6,7 @@ import torch
 from engine.cache import CachedModel
 from engine.decode import GenerationConfig
 from engine.drafters.datastore import Datastore, DatastoreDrafter
-from engine.events import Summary
+from engine.events import Summary, TokenEvent
 from engine.session import Engine, EngineError
 from engine.tree import DraftModelTreeDrafter, LookupGraftedDrafter
 from tests.test_tree import _prompt_ids, _run
@@ -80,10 +80,16 @@ def test_rest_and_grafted_datastore_greedy_equal_plain_decoding(target_model):
         LookupGraftedDrafter(DraftModelTreeDrafter(CachedModel(draft), None, top_k=2, budget=4), "tree_lookup", store),
     ]
     for drafter in drafters:
-        _, summary = _run(CachedModel(target_model), drafter, GenerationConfig(k=4, max_new_tokens=n))
+        events, summary = _run(CachedModel(target_model), drafter, GenerationConfig(k=4, max_new_tokens=n))
         assert isinstance(summary, Summary)
         assert list(summary.token_ids) == reference, drafter.name
-        assert summary.accepted > 0  # the store's continuations were accepted, not only proposed
+        # every accepted draft token names its proposer; the target's own tokens name none
+        tokens = [e for e in events if isinstance(e, TokenEvent)]
+        assert all((t.proposer is not None) == (t.source == "draft_accepted") for t in tokens)
+        by = dict(summary.accepted_by)
+        assert sum(by.values()) == sum(t.source == "draft_accepted" for t in tokens) == summary.accepted
+        assert by.get("rest", 0) > 0  # the store's continuations were accepted, not only proposed
+        assert set(by) <= {"rest", "lookup", "tree"}
 
 
 def test_a_wrong_datastore_costs_acceptance_not_exactness(target_model):

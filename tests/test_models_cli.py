@@ -25,6 +25,8 @@ def test_cli_jsonl_output(model_folder, capsys):
     tokens, summary = lines[:-1], lines[-1]
     assert len(tokens) == 12 and all(t["type"] == "token" for t in tokens)
     assert {t["source"] for t in tokens} <= {"draft_accepted", "target_resampled", "bonus", "target"}
+    assert all((t["proposer"] == "lookup") == (t["source"] == "draft_accepted") for t in tokens)
+    assert sum(summary["accepted_by"].values()) == sum(t["source"] == "draft_accepted" for t in tokens)
     assert summary["type"] == "summary" and summary["new_tokens"] == 12
     for key in ("steps", "drafted", "accepted", "mean_accepted_length", "tokens_per_s"):
         assert key in summary

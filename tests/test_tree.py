@@ -122,6 +122,14 @@ def test_graft_chain_shares_prefixes_and_keeps_siblings_distinct():
         graft_chain(DraftTree(tree.tokens, tree.parents, torch.ones(4, 10) / 10), [1])
 
 
+def test_graft_chain_credits_new_nodes_to_their_proposer():
+    tree = DraftTree(torch.tensor([0, 1, 2, 3]), (-1, 0, 0, 1), None, proposers=("", "eagle", "eagle", "eagle"))
+    grafted = graft_chain(graft_chain(tree, [1, 3, 7], "lookup"), [2, 5], "rest")
+    by_token = dict(zip(grafted.tokens.tolist(), grafted.proposers))
+    assert by_token == {0: "", 1: "eagle", 2: "eagle", 3: "eagle", 7: "lookup", 5: "rest"}  # shared nodes keep theirs
+    assert graft_chain(DraftTree(torch.tensor([0]), (-1,), None), [4], "lookup").proposers == ("", "lookup")
+
+
 def test_static_shape_from_paths():
     shape = TreeShape.from_paths(MEDUSA_PATHS)
     assert shape.parents == (-1, 0, 0, 1, 1, 2, 3)

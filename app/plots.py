@@ -168,13 +168,15 @@ class StepPlots(QWidget):
 
 
 def summary_text(s: Summary) -> str:
+    # several proposers in one tree (eagle_lookup): whose drafts the target accepted
+    by = ", ".join(f"{name} {n}" for name, n in s.accepted_by) if len(s.accepted_by) > 1 else ""
     return (
         f"<b>{s.method}</b>: {s.new_tokens} tokens in {s.elapsed_s:.2f} s "
         f"(prefill {s.prefill_s:.2f} s)<br>"
         f"<b>{s.tokens_per_s:.1f}</b> tok/s · τ = <b>{s.mean_accepted_length:.2f}</b> · "
         f"{s.steps} target passes<br>"
         f"drafted {s.drafted}, accepted {s.accepted} "
-        f"({100 * s.acceptance_rate:.0f}%) · stop: {s.stop_reason}"
+        f"({100 * s.acceptance_rate:.0f}%{': ' + by if by else ''}) · stop: {s.stop_reason}"
     )
 
 

@@ -121,3 +121,16 @@ def test_settings_dialog_round_trip_and_catalog(qtbot):
         "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", "draft")
     dialog.show_report(False, ("vocabularies differ",))
     assert "vocabularies differ" in dialog.report.toPlainText()
+
+
+def test_summary_names_the_proposers_only_when_several_drafted():
+    from dataclasses import replace
+
+    from app.plots import summary_text
+    from engine.events import Summary
+
+    summary = Summary("eagle_lookup", 20, 8, 14, 12, 2.5, (0.9, 0.8), (1, 2, 5), 10.0, 2.0, 0.1, "eos", "text",
+                      accepted_by=(("eagle", 8), ("lookup", 3), ("rest", 1)))
+    assert "accepted 12 (86%: eagle 8, lookup 3, rest 1)" in summary_text(summary)
+    alone = replace(summary, method="lookup", accepted_by=(("lookup", 12),))
+    assert "accepted 12 (86%) · stop" in summary_text(alone)

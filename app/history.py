@@ -161,7 +161,7 @@ class HistoryStore:
                 id=mid,
                 role=role,
                 content=content,
-                tokens=tuple(TokenEvent(*t) for t in json.loads(tokens)),
+                tokens=tuple(TokenEvent(*t[: len(_TOKEN_FIELDS)]) for t in json.loads(tokens)),
                 steps=tuple(StepEvent(*s) for s in json.loads(steps)),
                 meta=meta,
                 error=error,

@@ -96,7 +96,7 @@ def speculative_step(
     else:
         pd = draft.probs[rows[:n_rows].to(draft.probs.device), token_ids[:n_rows].to(draft.probs.device)].tolist()
     pd += [None] * (len(tokens) - n_rows)
-    proposers = (drafter.name,) * n_accepted + (None,) if drafter else (None,)
+    proposers = ((drafter.name,) * n_accepted + (None,)) if drafter else (None,)
     return StepResult(tokens, n_draft, n_accepted, pt, pd, t1 - t0, t2 - t1, proposers)
 
 

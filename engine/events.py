@@ -21,7 +21,8 @@ class TokenEvent:
     prefix). `p_target` / `p_draft` are the processed probabilities of this token under the target
     row and the draft row at that position (`p_draft` is None where nothing was drafted there).
     `proposer` names the drafter whose proposal an accepted draft token was (for eagle_lookup: the
-    head, prompt lookup or the datastore); None for the target's own tokens.
+    head, prompt lookup or the datastore; a token several proposed is credited in that order);
+    None for the target's own tokens.
     """
 
     token_id: int
@@ -74,7 +75,9 @@ class Summary:
     stop_reason: Literal["eos", "stop_string", "max_new_tokens", "cancelled"]
     text: str
     token_ids: tuple[int, ...] = field(repr=False, default=())
-    accepted_by: tuple[tuple[str, int], ...] = ()  # accepted draft tokens per proposer, most first
+    # emitted accepted draft tokens per proposer, most first (`accepted` also counts a step's
+    # accepted drafts past an EOS or stop string, which are never emitted)
+    accepted_by: tuple[tuple[str, int], ...] = ()
 
     @property
     def acceptance_rate(self) -> float:

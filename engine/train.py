@@ -729,6 +729,8 @@ def build_datastore(options: TrainOptions, samples: list[dict], engine, held_ids
     from engine.drafters.lookup import PromptLookupDrafter
 
     answers = [s["tokens"][int(s["answer_start"]):].tolist() for s in samples]
+    if not any(answers):
+        raise ValueError("the target gave no answer tokens to store (every answer ended at once)")
     store = Datastore.build(answers)
     out = Path(options.out)
     store.save(out, target=engine.target.name, answer_tokens=options.answer_tokens)
@@ -756,10 +758,12 @@ def _write_datastore_card(out: Path, options: TrainOptions, store, n_train: int,
              + ", ".join(Path(p).name for p in options.extra_data) + "." if options.extra_data else "")
     written = (f", and {options.self_prompts} user prompts the target wrote itself (self-prompts.jsonl, as in Magpie)"
                if options.self_prompts else "")
+    sampled = (f" plus {options.sampled_answers} answer(s) sampled at temperature {SAMPLE_TEMPERATURE}"
+               if options.sampled_answers else "")
     text = f"""# Retrieval datastore for {target_name}
 
 Built by `speclens train-drafter --kind datastore`: the target answered {n_train} training prompts
-with the chat template, greedily (up to {options.answer_tokens} new tokens each), and its answers were
+with the chat template, greedily{sampled} (up to {options.answer_tokens} new tokens each), and its answers were
 stored for retrieval drafting (REST). Prompts: {prompt_files}{written}; {n_held} other prompts of the
 files were held out for the evaluation below.{extra} Nothing is trained; drafts are the most frequent
 continuations, in these answers, of the context's last tokens (up to {store.ngram}).

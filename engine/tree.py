@@ -18,8 +18,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from engine.cache import CachedModel
-from engine.drafters.datastore import Datastore
-from engine.drafters.lookup import lookup
+from engine.drafters.datastore import Datastore, DatastoreDrafter
+from engine.drafters.lookup import PromptLookupDrafter, lookup
 from engine.sampling import SamplingParams, process_logits
 from engine.verify import tree_children, verify_tree, verify_tree_greedy
 
@@ -119,7 +119,7 @@ class DraftTree:
     parents: tuple[int, ...]  # [N], parents[0] = -1, parents[i] < i
     probs: torch.Tensor | None  # [N, V] q each node was drawn from at its parent; None: deterministic
     without_replacement: bool = False  # siblings were sampled from q without replacement
-    proposers: tuple[str, ...] = ()  # [N] who drafted each node (node 0: ""); (): the tree's drafter
+    proposers: tuple[str, ...] = ()  # [N] who drafted each node; "" (and ()): the tree's own drafter
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -315,7 +315,9 @@ class LookupGraftedDrafter:
         if tree.probs is not None:
             return tree
         tree = replace(tree, proposers=("", *[self.base.name] * (len(tree) - 1)))
-        chains = {"lookup": lookup(ids, depth), "rest": self.store.continuation(ids, depth) if self.store else []}
+        # in this order: a node two proposers share is credited to the head, then to prompt lookup
+        chains = {PromptLookupDrafter.name: lookup(ids, depth),
+                  DatastoreDrafter.name: self.store.continuation(ids, depth) if self.store else []}
         for proposer, chain in chains.items():
             if chain:
                 tree = graft_chain(tree, chain, proposer)
@@ -368,6 +370,6 @@ def tree_step(target: CachedModel, drafter: TreeDrafter, ids: list[int], depth: 
             pd.append(float(any(tokens[c] == token for c in below)))
         else:
             pd.append(float(tree.probs[below[0], token]))
-    credited = tree.proposers or ("", *[drafter.name] * (len(tokens) - 1))
-    proposers = (*(credited[node] for node in path), None)
+    credited = tree.proposers or ("",) * len(tokens)  # "": the tree drafter's own node
+    proposers = (*(credited[node] or drafter.name for node in path), None)
     return StepResult(emitted, drafted, len(path), pt, pd, t1 - t0, t2 - t1, proposers)

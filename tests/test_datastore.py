@@ -20,8 +20,33 @@ def test_most_frequent_continuation_of_the_longest_matching_tail():
     assert store.continuation([8, 2, 3], 3) == [4]  # no [8, 2, 3]: the tail [2, 3] has 4, 4, 5, 6
     assert store.continuation([5, 2], 2) == [3, 4]  # after [2]: 3 every time, then the most frequent
     assert store.continuation([1, 2, 3], 0) == []
-    assert store.continuation([42], 3) == []  # a token the store never saw
-    assert store.continuation([100_000], 3) == []  # beyond every stored id
+    assert store.continuation([8], 3) == []  # an id in range that the store never saw
+    assert store.continuation([42], 3) == [] and store.continuation([-3], 3) == []  # ids no key can hold
+
+
+def test_a_tail_whose_matches_all_end_falls_back_to_a_shorter_one():
+    store = Datastore.build([[5, 6], [6, 7]])
+    assert store.continuation([5, 6], 2) == [7]  # [5, 6] ends its answer; after [6], 7 follows
+
+
+def test_keys_that_fill_all_63_bits_do_not_overflow():
+    store = Datastore.build([list(range(7))] * 3)  # ids up to 7 after the +1: 3 bits, 21 tokens per key
+    assert store.bits * store.ngram == 63
+    assert store.continuation([6], 2) == [] and store.continuation([5], 3) == [6]
+    assert Datastore.build([[1, 2], [5]]).continuation([6], 2) == []  # the widest id in a 3-bit key, unseen
+
+
+def test_an_empty_datastore_is_refused():
+    for sequences in ([], [[]], [[], []]):
+        with pytest.raises(ValueError, match="at least one stored token"):
+            Datastore.build(sequences)
+
+
+def test_a_datastore_of_a_wider_vocabulary_is_refused(tmp_path):
+    target = tiny_llama()
+    Datastore.build([[1, target.config.vocab_size + 5]]).save(tmp_path, target="a bigger model")
+    with pytest.raises(EngineError, match="built for another model"):
+        Engine(loaded(target, "tiny-target"), heads=(str(tmp_path),))
 
 
 def test_continuations_never_cross_into_the_next_sequence():

@@ -27,6 +27,7 @@ def test_cli_jsonl_output(model_folder, capsys):
     assert {t["source"] for t in tokens} <= {"draft_accepted", "target_resampled", "bonus", "target"}
     assert all((t["proposer"] == "lookup") == (t["source"] == "draft_accepted") for t in tokens)
     assert sum(summary["accepted_by"].values()) == sum(t["source"] == "draft_accepted" for t in tokens)
+    assert summary["accepted"] > 0  # the repeated prompt gives lookup something to accept
     assert summary["type"] == "summary" and summary["new_tokens"] == 12
     for key in ("steps", "drafted", "accepted", "mean_accepted_length", "tokens_per_s"):
         assert key in summary

@@ -36,15 +36,18 @@ class Datastore:
     def __init__(self, tokens: torch.Tensor):
         """tokens: [L] int, the stored sequences each followed by END."""
         self.tokens = tokens.to(torch.long)  # [L]
-        top = int(self.tokens.max()) + 1 if self.tokens.numel() else 1
-        self.bits = top.bit_length()  # stored ids are token + 1, so 0 pads past the end and after END
-        self.ngram = max(1, 63 // self.bits)
-        stream = torch.cat([self.tokens + 1, torch.zeros(self.ngram, dtype=torch.long)])  # [L + ngram], END -> 0
+        if not bool((self.tokens > END).any()):
+            raise ValueError("a datastore needs at least one stored token")
+        self.max_token = int(self.tokens.max())
+        # keys hold ids + 1, so that 0 can stand for END and for the padding past the stream's end
+        self.bits = (self.max_token + 1).bit_length()
+        self.ngram = max(1, 63 // self.bits)  # tokens per key: an int64 key stays non-negative
+        stream = torch.cat([self.tokens + 1, torch.zeros(self.ngram, dtype=torch.long)])  # [L + ngram]
         length = self.tokens.numel()
         keys = torch.zeros(length, dtype=torch.long)  # [L]: the n-gram starting at each position
         for j in range(self.ngram):
             keys = (keys << self.bits) | stream[j : j + length]
-        self.keys, self.positions = keys.sort()  # [L], [L]
+        self.keys, self.positions = keys.sort(stable=True)  # [L], [L]; equal keys keep stream order
         self.stream = stream
 
     @classmethod
@@ -60,22 +63,33 @@ class Datastore:
 
     def continuation(self, ids: Sequence[int], k: int) -> list[int]:
         """Up to k tokens: the most frequent continuation, in the store, of the longest tail of ids
-        (at most `ngram` tokens) that occurs there."""
+        (at most `ngram` tokens) that occurs there with a continuation."""
         if k <= 0 or not ids:
             return []
         for n in range(min(self.ngram, len(ids)), 0, -1):
-            prefix = 0
-            for token in ids[-n:]:
-                if not 0 <= token < (1 << self.bits) - 1:
-                    break  # a token the store never saw
-                prefix = (prefix << self.bits) | (token + 1)
-            else:
-                shift = self.bits * (self.ngram - n)
-                bounds = torch.tensor([prefix << shift, (prefix + 1) << shift])
-                lo, hi = torch.searchsorted(self.keys, bounds).tolist()
-                if hi > lo:
-                    return self._most_frequent(self.positions[lo:hi: max(1, (hi - lo) // MAX_MATCHES)] + n, k)
+            prefix = self._packed(ids[-n:])
+            if prefix is None:
+                continue
+            # the keys starting with these n tokens: [prefix, prefix with every later bit set]
+            shift = self.bits * (self.ngram - n)
+            low, high = prefix << shift, (prefix << shift) | ((1 << shift) - 1)
+            lo = int(torch.searchsorted(self.keys, torch.tensor(low)))
+            hi = int(torch.searchsorted(self.keys, torch.tensor(high), right=True))
+            if hi > lo:
+                step = -(-(hi - lo) // MAX_MATCHES)  # ceil: at most MAX_MATCHES evenly spaced matches
+                chain = self._most_frequent(self.positions[lo:hi:step] + n, k)
+                if chain:
+                    return chain
         return []
+
+    def _packed(self, tail: Sequence[int]) -> int | None:
+        """The key bits of a tail of token ids; None if an id is too wide to be in this store."""
+        prefix = 0
+        for token in tail:
+            if not 0 <= token <= self.max_token:
+                return None
+            prefix = (prefix << self.bits) | (token + 1)
+        return prefix
 
     def _most_frequent(self, starts: torch.Tensor, k: int) -> list[int]:
         """starts: [M] positions right after each match; the chain of most frequent next tokens."""
@@ -109,7 +123,7 @@ class Datastore:
         tokens = load_file(Path(folder) / "datastore.safetensors")["tokens"]
         if tokens.dim() != 1 or tokens.numel() == 0 or int(tokens.min()) < END:
             raise ValueError("datastore.safetensors must hold a 1-D 'tokens' tensor of ids and -1 separators")
-        return cls(tokens)
+        return cls(tokens)  # raises ValueError if it holds no token
 
 
 def is_datastore(config: dict) -> bool:

@@ -19,6 +19,7 @@ import os
 import platform
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
@@ -382,10 +383,9 @@ def aggregate(runs: Sequence[Run], methods: Sequence[str], greedy: bool) -> dict
         drafted = [sum(r.position_drafted[i] for r in mine if i < len(r.position_drafted)) for i in range(depth)]
         accepted = [sum(r.position_accepted[i] for r in mine if i < len(r.position_accepted)) for i in range(depth)]
         rate = _rate(mine)
-        by: dict[str, int] = {}
+        by: Counter[str] = Counter()
         for run in mine:
-            for proposer, n in run.accepted_by:
-                by[proposer] = by.get(proposer, 0) + n
+            by.update(dict(run.accepted_by))
         results[method] = MethodResult(
             tokens_per_s=rate,
             speedup_vs_ar=rate / ar_rate if ar_rate else None,
@@ -394,7 +394,7 @@ def aggregate(runs: Sequence[Run], methods: Sequence[str], greedy: bool) -> dict
             per_position_acceptance=tuple(a / d for a, d in zip(accepted, drafted)),
             new_tokens=new_tokens,
             seconds=seconds,
-            accepted_by=dict(sorted(by.items(), key=lambda item: -item[1])),
+            accepted_by=dict(by.most_common()),
         )
     return results
 

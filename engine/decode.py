@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -160,7 +161,7 @@ def generate(
     position_drafted: list[int] = []
     position_accepted: list[int] = []
     histogram: list[int] = []
-    accepted_by: dict[str, int] = {}
+    accepted_by: Counter[str] = Counter()
     stop_reason = "max_new_tokens"
     draft_length = config.k
     done = False
@@ -202,7 +203,7 @@ def generate(
             source = token_source(pos, step.drafted, step.accepted)
             proposer = step.proposers[pos] if pos < len(step.proposers) else None
             if proposer is not None:
-                accepted_by[proposer] = accepted_by.get(proposer, 0) + 1
+                accepted_by[proposer] += 1
             yield TokenEvent(token, delta, source, steps, pos, step.p_target[pos], step.p_draft[pos], proposer)
             if token in eos:
                 stop_reason, done = "eos", True
@@ -241,7 +242,7 @@ def generate(
         stop_reason=stop_reason,
         text=text,
         token_ids=tuple(new_ids),
-        accepted_by=tuple(sorted(accepted_by.items(), key=lambda item: -item[1])),
+        accepted_by=tuple(accepted_by.most_common()),
     )
 
 

@@ -561,25 +561,34 @@ def new_head(kind: str, model, options: TrainOptions):
 # --- 3. evaluation ----------------------------------------------------------------------------
 
 
-def decoding_setups(kind: str, head, options: TrainOptions) -> dict[str, dict]:
-    """The decoding setups a head is evaluated with: name -> {"description", "shape", "depth"}."""
+@dataclass(frozen=True)
+class EvalSetup:
+    description: str
+    depth: int  # K of a chain drafter, the tree depth of a tree drafter
+    make_drafter: Callable  # CachedModel of the target -> the drafter (heads read that model's features)
+
+
+def decoding_setups(kind: str, head, options: TrainOptions) -> dict[str, EvalSetup]:
+    """The decoding setups a head is evaluated with."""
     from engine.tree import CHAIN_PATHS, DEFAULT_TREE_PATHS, TreeShape
+
+    def setup(description: str, shape, depth: int) -> EvalSetup:
+        return EvalSetup(description, depth, functools.partial(drafter_for, kind, head, shape=shape, options=options))
 
     if kind == "eagle":
         chain = TreeShape.from_paths(CHAIN_PATHS).truncated(options.chain)
         return {
-            "chain": {"description": f"EAGLE chain, K={options.chain}", "shape": chain, "depth": options.chain},
-            "tree": {"description": f"dynamic EAGLE-2-style tree, depth {options.depth}, top-k {options.top_k}, "
-                                    f"budget {options.budget} nodes", "shape": None, "depth": options.depth},
+            "chain": setup(f"EAGLE chain, K={options.chain}", chain, options.chain),
+            "tree": setup(f"dynamic EAGLE-2-style tree, depth {options.depth}, top-k {options.top_k}, "
+                          f"budget {options.budget} nodes", None, options.depth),
         }
     shape = TreeShape.from_paths(DEFAULT_TREE_PATHS).truncated(options.medusa_heads)
-    setups = {"tree": {"description": f"static Medusa tree (speclens DEFAULT_TREE_PATHS, {len(shape.parents)} nodes, "
-                                      f"depth {shape.depth})", "shape": shape, "depth": shape.depth}}
+    setups = {"tree": setup(f"static Medusa tree (speclens DEFAULT_TREE_PATHS, {len(shape.parents)} nodes, "
+                            f"depth {shape.depth})", shape, shape.depth)}
     if head.config.get("medusa_choices"):
         sparse = TreeShape.from_paths(head.config["medusa_choices"])
-        setups["sparse"] = {"description": f"static Medusa sparse tree of config.json medusa_choices "
-                                           f"({len(sparse.parents)} nodes, depth {sparse.depth})",
-                            "shape": sparse, "depth": sparse.depth}
+        setups["sparse"] = setup(f"static Medusa sparse tree of config.json medusa_choices "
+                                 f"({len(sparse.parents)} nodes, depth {sparse.depth})", sparse, sparse.depth)
     return setups
 
 
@@ -596,19 +605,8 @@ def drafter_for(kind: str, head, target, shape, options: TrainOptions):
 def evaluate_tau(model, tokenizer, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], head,
                  options: TrainOptions) -> dict[str, dict]:
     """Greedy decoding on held-out prompts per decoding setup of the head (see evaluate_drafters)."""
-    setups = {
-        name: EvalSetup(setup["description"], setup["depth"],
-                        functools.partial(drafter_for, options.kind, head, shape=setup["shape"], options=options))
-        for name, setup in decoding_setups(options.kind, head, options).items()
-    }
-    return evaluate_drafters(model, tokenizer, prompt_ids, eos_ids, setups, options.eval_tokens)
-
-
-@dataclass(frozen=True)
-class EvalSetup:
-    description: str
-    depth: int  # K of a chain drafter, the tree depth of a tree drafter
-    make_drafter: Callable  # CachedModel of the target -> the drafter (heads read that model's features)
+    return evaluate_drafters(model, tokenizer, prompt_ids, eos_ids, decoding_setups(options.kind, head, options),
+                             options.eval_tokens)
 
 
 def evaluate_drafters(model, tokenizer, prompt_ids: list[list[int]], eos_ids: tuple[int, ...],
@@ -645,6 +643,11 @@ def evaluate_drafters(model, tokenizer, prompt_ids: list[list[int]], eos_ids: tu
     return results
 
 
+def _sampled_phrase(options: TrainOptions) -> str:
+    return (f" plus {options.sampled_answers} answer(s) sampled at temperature {SAMPLE_TEMPERATURE}"
+            if options.sampled_answers else "")
+
+
 def _tau_row(r: dict) -> str:
     return (f"| **tau on held-out prompts, {r['description']}** | **{r['tau']:.3f}** ({r['tokens']} tokens in "
             f"{r['target_passes']} target passes over {r['prompts']} prompts; draft {r['draft_ms_per_step']:.1f} ms, "
@@ -657,8 +660,7 @@ def write_card(out: Path, options: TrainOptions, n_train: int, n_held: int, n_sa
     last = history[-1] if history else {}
     kind = "EAGLE-1" if options.kind == "eagle" else "Medusa-1"
     rows = "\n".join(_tau_row(r) for r in tau.values())
-    sampled = (f" plus {options.sampled_answers} answer(s) sampled at temperature {SAMPLE_TEMPERATURE}"
-               if options.sampled_answers else "")
+    sampled = _sampled_phrase(options)
     architecture = ("one Llama decoder layer over fc([embed(token); feature]); "
                     + (f"continued from {Path(options.init_from).name}" if options.init_from else
                        "layer initialised from the target's last layer" if options.init_from_target else
@@ -758,8 +760,7 @@ def _write_datastore_card(out: Path, options: TrainOptions, store, n_train: int,
              + ", ".join(Path(p).name for p in options.extra_data) + "." if options.extra_data else "")
     written = (f", and {options.self_prompts} user prompts the target wrote itself (self-prompts.jsonl, as in Magpie)"
                if options.self_prompts else "")
-    sampled = (f" plus {options.sampled_answers} answer(s) sampled at temperature {SAMPLE_TEMPERATURE}"
-               if options.sampled_answers else "")
+    sampled = _sampled_phrase(options)
     text = f"""# Retrieval datastore for {target_name}
 
 Built by `speclens train-drafter --kind datastore`: the target answered {n_train} training prompts

@@ -20,6 +20,7 @@ ACCEPT = "#3f9c4f"
 MUTED = "#9aa3ae"
 DRAFT_K = "#d97706"
 FEW_STEPS = 16  # below this many drafting steps the advisor's inputs are noisy
+RATE_RANGE = (-0.05, 1.05)  # the acceptance plot's y range, with room for the dots at 0 and 1
 
 
 def _plot(title: str, x_label: str, y_label: str, y_units: str | None = None) -> pg.PlotWidget:
@@ -46,23 +47,27 @@ class StepPlots(QWidget):
         self._steps: list[StepEvent] = []
         self._dirty = False
 
-        self.acceptance = _plot("Acceptance rate per step", "step", "accepted / drafted")
-        self.acceptance.setYRange(0, 1.05)
-        legend = self.acceptance.addLegend(offset=(-5, 5), labelTextSize="8pt")
-        legend.setBrush(pg.mkBrush(255, 255, 255, 210))  # readable over the curves it covers
-        self._acc_points = self.acceptance.plot(
-            pen=None, symbol="o", symbolSize=4, symbolBrush=MUTED, symbolPen=None, name="step"
-        )
-        self._acc_rolling = self.acceptance.plot(
-            pen=pg.mkPen(ACCEPT, width=2), name=f"rolling ({ROLLING_STEPS} steps)"
-        )
+        self.acceptance = _plot("", "step", "accepted / drafted")
+        # The key is a second title line, not a legend, so it never hides a step at any widget size.
+        self.acceptance.setTitle(
+            "Acceptance rate per step<br><span style='font-size:7pt'>"
+            f"<span style='color:{MUTED}'>● step</span> &nbsp;"
+            f"<span style='color:{ACCEPT}'>━ last {ROLLING_STEPS}</span> &nbsp;"
+            f"<span style='color:{DRAFT_K}'>━ K (right)</span></span>", color="#374151", size="9pt")
+        self.acceptance.setToolTip(f"Grey dots: accepted / drafted tokens of each step. Green: the mean over the last "
+                                   f"{ROLLING_STEPS} steps. Orange: the draft length K asked for (right axis).")
+        self.acceptance.setYRange(*RATE_RANGE, padding=0)
+        self.acceptance.getPlotItem().getAxis("left").setTicks(
+            [[(v, f"{v:g}") for v in (0, 0.25, 0.5, 0.75, 1)], [(v, "") for v in (0.125, 0.375, 0.625, 0.875)]])
+        self._acc_points = self.acceptance.plot(pen=None, symbol="o", symbolSize=4, symbolBrush=MUTED, symbolPen=None)
+        self._acc_rolling = self.acceptance.plot(pen=pg.mkPen(ACCEPT, width=2))
         # K per step on a right-hand axis of the same plot: with adaptive K it moves with acceptance
         item = self.acceptance.getPlotItem()
         self._k_view = pg.ViewBox(enableMenu=False)
         self._k_view.setMouseEnabled(x=False, y=False)
         item.showAxis("right")
         item.scene().addItem(self._k_view)
-        self._k_view.setZValue(-1)  # under the plot item, so the legend stays on top of the K curve
+        self._k_view.setZValue(-1)  # under the rate curves
         right = item.getAxis("right")
         right.linkToView(self._k_view)
         right.setLabel("K", color=DRAFT_K)
@@ -73,7 +78,6 @@ class StepPlots(QWidget):
         item.vb.sigResized.connect(self._sync_k_view)
         self._k_curve = pg.PlotDataItem(pen=pg.mkPen(DRAFT_K, width=1.5), stepMode="right")
         self._k_view.addItem(self._k_curve)
-        self.acceptance.getPlotItem().legend.addItem(self._k_curve, "K (right axis)")
 
         self.speed = _plot("Decoding speed", "step", "tokens/s", None)
         self._speed_curve = self.speed.plot(pen=pg.mkPen(ACCENT, width=2))
@@ -153,7 +157,10 @@ class StepPlots(QWidget):
         self._acc_rolling.setData(x[keep], rolling[keep])
         ks = np.asarray([e.k for e in self._steps], dtype=float)
         self._k_curve.setData(x, ks)
-        self._k_view.setYRange(0, max(ks.max(initial=0.0), 1.0) + 1, padding=0)
+        # K = k_max level with rate 1.0 and K = 0 with rate 0
+        k_max = max(int(ks.max(initial=0.0)), 1)
+        self._k_view.setYRange(RATE_RANGE[0] * k_max, RATE_RANGE[1] * k_max, padding=0)
+        self.acceptance.getPlotItem().getAxis("right").setTicks([[(k, str(k)) for k in range(1, k_max + 1)]])
         rate = np.asarray(series.tokens_per_s, dtype=float)
         keep = ~np.isnan(rate)
         self._speed_curve.setData(x[keep], rate[keep])

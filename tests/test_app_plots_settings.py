@@ -134,3 +134,18 @@ def test_summary_names_the_proposers_only_when_several_drafted():
     assert "accepted 12 (86%: eagle 8, lookup 3, rest 1)" in summary_text(summary)
     alone = replace(summary, method="lookup", accepted_by=(("lookup", 12),))
     assert "accepted 12 (86%) · stop" in summary_text(alone)
+
+
+def test_k_axis_levels_its_largest_k_with_rate_one(qtbot):
+    from app.plots import RATE_RANGE, StepPlots
+
+    plots = StepPlots()
+    qtbot.addWidget(plots)
+    plots.set_steps([step(0, 3, 3, 4, 0.1, k=3), step(1, 6, 2, 7, 0.2, k=6), step(2, 2, 0, 8, 0.3, k=2)])
+    low, high = plots._k_view.viewRange()[1]
+    # the K view maps K linearly onto the rate axis: K = 0 at rate 0 and the largest K (6) at rate 1
+    rate_low, rate_high = RATE_RANGE
+    assert (low / 6, high / 6) == pytest.approx((rate_low, rate_high))
+    ticks = plots.acceptance.getPlotItem().getAxis("right")._tickLevels[0]
+    assert [label for _, label in ticks] == ["1", "2", "3", "4", "5", "6"]
+    assert list(plots._k_curve.getData()[1]) == [3, 6, 2]

@@ -47,13 +47,11 @@ class StepPlots(QWidget):
         self._steps: list[StepEvent] = []
         self._dirty = False
 
-        self.acceptance = _plot("", "step", "accepted / drafted")
         # The key is a second title line, not a legend, so it never hides a step at any widget size.
-        self.acceptance.setTitle(
-            "Acceptance rate per step<br><span style='font-size:7pt'>"
-            f"<span style='color:{MUTED}'>● step</span> &nbsp;"
-            f"<span style='color:{ACCEPT}'>━ last {ROLLING_STEPS}</span> &nbsp;"
-            f"<span style='color:{DRAFT_K}'>━ K (right)</span></span>", color="#374151", size="9pt")
+        key = (f"<span style='font-size:7pt'><span style='color:{MUTED}'>● step</span> &nbsp;"
+               f"<span style='color:{ACCEPT}'>━ last {ROLLING_STEPS}</span> &nbsp;"
+               f"<span style='color:{DRAFT_K}'>━ K (right)</span></span>")
+        self.acceptance = _plot(f"Acceptance rate per step<br>{key}", "step", "accepted / drafted")
         self.acceptance.setToolTip(f"Grey dots: accepted / drafted tokens of each step. Green: the mean over the last "
                                    f"{ROLLING_STEPS} steps. Orange: the draft length K asked for (right axis).")
         self.acceptance.setYRange(*RATE_RANGE, padding=0)

@@ -529,15 +529,6 @@ def draft_vocabulary(samples: list[dict], n: int) -> tuple[torch.Tensor, float]:
     return keep.sort().values, float(counts[keep].sum()) / max(int(answers.numel()), 1)
 
 
-def attention_window(samples: list[dict]) -> int:
-    """The sequence length 99% of the training samples fit in: the furthest back an EAGLE head saw
-    keys often enough to learn from (a few long prompts do not count)."""
-    import torch
-
-    lengths = torch.tensor([float(s["tokens"].shape[0]) for s in samples])  # [S]
-    return int(torch.quantile(lengths, 0.99).ceil())
-
-
 def new_head(kind: str, model, options: TrainOptions):
     config = model.config.get_text_config()
     if kind == "eagle":
@@ -856,8 +847,6 @@ def run(options: TrainOptions) -> dict:
         head.config["medusa_rank_accuracy"] = [[round(a, 4) for a in row] for row in accuracy]
         head.config["medusa_choices"] = [list(p) for p in sparse_tree_paths(accuracy, options.medusa_tree_nodes)]
     coverage = None
-    if options.kind == "eagle":  # keys no further back than training showed (see engine.drafters.eagle)
-        head.config.speclens_attention_window = attention_window(samples)
     if options.kind == "eagle" and options.draft_vocab:
         head.draft_vocab, coverage = draft_vocabulary(samples, options.draft_vocab)
         head.config.speclens_draft_vocab_coverage = round(coverage, 5)

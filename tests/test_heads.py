@@ -281,8 +281,6 @@ def test_train_drafter_end_to_end_on_a_tiny_target(tmp_path, target_model, kind)
         trained_on = distilled + torch.load(extra, weights_only=True)
         answers = {int(t) for s in trained_on for t in s["tokens"][int(s["answer_start"]) :]}
         assert vocab is not None and set(vocab.tolist()) == answers
-        lengths = sorted(int(s["tokens"].shape[0]) for s in trained_on)
-        assert lengths[0] <= EagleHead.load(out).attention_window <= lengths[-1]
         assert "draft vocabulary" in (out / "README.md").read_text()
     record = json.loads((out / "training.json").read_text())
     assert len(record["history"]) == 2
@@ -308,10 +306,9 @@ def test_train_drafter_end_to_end_on_a_tiny_target(tmp_path, target_model, kind)
     assert (again / "model.safetensors").read_bytes() != before
 
 
-def _assert_tree_features_equal_linear_runs(drafter, head, target_model, ids, tokens, parents, window=None):
+def _assert_tree_features_equal_linear_runs(drafter, head, target_model, ids, tokens, parents):
     """Every memoised node feature equals an uncached linear EAGLE run: context inputs (f_i, t_{i+1}),
-    then (f_hat(parent), x) along the node's path; with a window, under a causal mask that reaches
-    back `window` positions."""
+    then (f_hat(parent), x) along the node's path."""
     from engine.tree import ancestor_path
 
     embed = target_model.get_input_embeddings()
@@ -327,10 +324,7 @@ def _assert_tree_features_equal_linear_runs(drafter, head, target_model, ids, to
                 f = torch.cat([features, *([torch.stack(steps)] if steps else [])])
                 x_ids = ids[1:] + [tokens[m] for m in path[:depth]]
                 n = f.shape[0]
-                mask = torch.ones(n, n, dtype=torch.bool).tril()
-                if window is not None:
-                    mask &= torch.ones(n, n, dtype=torch.bool).triu(1 - window)
-                out = head(embed(torch.tensor(x_ids)), f, torch.arange(n), mask)
+                out = head(embed(torch.tensor(x_ids)), f, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
                 steps.append(out[-1])
             torch.testing.assert_close(drafter._f_hat[node], steps[-1], atol=1e-3, rtol=1e-3)  # a random head amplifies
             checked += 1
@@ -368,47 +362,6 @@ def test_eagle_cached_drafting_after_rollbacks_equals_uncached(target_model, sha
     _assert_tree_features_equal_linear_runs(drafter, head, target_model, ids, tree.tokens.tolist(), list(tree.parents))
 
 
-def _windowed_eagle(model, window):
-    head = _random_eagle(model)
-    head.config.speclens_attention_window = window
-    return head
-
-
-@pytest.mark.parametrize("shape", [None, TreeShape.from_paths(PATHS)], ids=["dynamic", "static"])
-def test_eagle_attention_window_keeps_greedy_equality_and_windows_every_feature(tmp_path, target_model, shape):
-    n = 30
-    reference = hf_greedy(target_model, _prompt_ids(), n)
-    head = EagleHead.load(_saved(tmp_path / "windowed", _windowed_eagle(target_model, 4)))
-    assert head.attention_window == 4  # the window travels in config.json
-    target = CachedModel(target_model)
-    drafter = EagleDrafter(head, target, shape, top_k=3, budget=8)
-    _, summary = _run(target, drafter, GenerationConfig(method="eagle", k=4, max_new_tokens=n))
-    assert list(summary.token_ids) == reference
-    ids = _prompt_ids() + reference[:12]
-    target.forward(ids[:-1], [], 1)
-    drafter.shape = TreeShape.from_paths(PATHS)  # static: the checked node indices are the tree's own
-    tree = drafter.propose_tree(ids, 4, SamplingParams(), None)
-    tokens, parents = tree.tokens.tolist(), list(tree.parents)
-    # committed entries and tree nodes alike see 4 positions back, as a windowed linear run does ...
-    _assert_tree_features_equal_linear_runs(drafter, head, target_model, ids, tokens, parents, window=4)
-    # ... which is not full attention: the check above would fail on an unwindowed head
-    with pytest.raises(AssertionError):
-        _assert_tree_features_equal_linear_runs(drafter, head, target_model, ids, tokens, parents)
-
-
-def test_eagle_window_wider_than_the_context_changes_nothing(target_model):
-    ids = _prompt_ids()
-    trees = []
-    for head in (_random_eagle(target_model), _windowed_eagle(target_model, len(ids) + 8)):
-        target = CachedModel(target_model)
-        target.prefill(ids)
-        drafter = EagleDrafter(head, target, None, top_k=3, budget=8)
-        drafter.prefill(ids)
-        tree = drafter.propose_tree(ids, 4, SamplingParams(), None)
-        trees.append((tree.tokens.tolist(), tree.parents))
-    assert trees[0] == trees[1]
-
-
 def test_corrupt_head_weights_are_a_clear_error(tmp_path, target_model):
     from engine.session import Engine, EngineError
     from tests.tiny import loaded
@@ -417,13 +370,3 @@ def test_corrupt_head_weights_are_a_clear_error(tmp_path, target_model):
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)  # a truncated or damaged download
     with pytest.raises(EngineError, match="Could not load the heads"):
         Engine(loaded(target_model, "tiny-target"), heads=(str(tmp_path),))
-
-
-def test_attention_window_is_the_length_most_training_samples_fit_in():
-    from engine.train import attention_window
-
-    def samples(lengths):
-        return [{"tokens": torch.zeros(n, dtype=torch.long)} for n in lengths]
-
-    assert attention_window(samples([10] * 199 + [500])) == 10  # one long prompt does not widen it
-    assert attention_window(samples(range(1, 201))) == 199

@@ -11,10 +11,6 @@ Checkpoint layout: config.json (a Llama decoder config of the target's width) + 
 "draft_vocab" [N] (ours): the token ids the head may draft. Scoring only those rows of the LM head
 cuts the cost of each drafted tree level; exactness never depends on it (a draft token outside a
 target's favourites is simply rejected, and sampled drafts carry the restricted q they came from).
-config.json may also hold "speclens_attention_window" W (ours; train-drafter writes the longest
-training sequence): the head then attends only to the W positions up to its own. A head trained on
-short answers has never seen keys further back than that, and on long prompts (summaries, RAG) the
-window drafted better than full attention. Without the key the head attends to the whole context.
 """
 
 from __future__ import annotations
@@ -50,12 +46,6 @@ class EagleHead(nn.Module):
         self.layer = LlamaDecoderLayer(config, layer_idx=0)
         self.rotary = LlamaRotaryEmbedding(config)
         self.draft_vocab: torch.Tensor | None = None  # [N] long: token ids the head drafts (None: all)
-
-    @property
-    def attention_window(self) -> int | None:
-        """Positions a query may look back over, itself included (None: the whole context)."""
-        window = getattr(self.config, "speclens_attention_window", None)
-        return int(window) if window else None
 
     @classmethod
     def for_target(cls, target_config) -> EagleHead:
@@ -138,7 +128,6 @@ class EagleDrafter(DraftModelTreeDrafter):
                  top_k: int = 4, budget: int = 16, name: str = "eagle"):
         super().__init__(target, shape, top_k=top_k, budget=budget, name=name)
         self.head = drafter_module(head, target.model)
-        self.window = head.attention_window
         self.target = target
         self.features: torch.Tensor | None = None  # [n, H] target features of positions 0..n-1
         self.feature_ids: list[int] = []
@@ -188,18 +177,10 @@ class EagleDrafter(DraftModelTreeDrafter):
         self._crop(valid)
         device = self.target.device
         embeds = self.target.model.get_input_embeddings()(torch.tensor(ids[valid + 1 :], device=device))  # [n - valid, H]
-        positions = torch.arange(valid, n)  # [new]
-        mask = self._windowed(torch.ones(n - valid, n, dtype=torch.bool).tril(valid), positions, torch.arange(n))
-        out = self.head(embeds, features[valid:n].to(embeds.dtype), positions, mask, self.cache)
+        mask = torch.ones(n - valid, n, dtype=torch.bool).tril(valid)  # [new, cached + new], causal
+        out = self.head(embeds, features[valid:n].to(embeds.dtype), torch.arange(valid, n), mask, self.cache)
         self.cache_ids = list(ids)
         return out  # [n - valid, H]
-
-    def _windowed(self, mask: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-        """mask [T, P] narrowed to the head's attention window: a query at position p keeps the keys
-        at positions p - W + 1..p (queries at positions [T], cached keys at key_positions [P])."""
-        if self.window is None:
-            return mask
-        return mask & (positions[:, None] - key_positions[None, :] < self.window)
 
     def _crop(self, n: int) -> None:
         """Keep the first n entries of the head's cache."""
@@ -274,8 +255,6 @@ class EagleDrafter(DraftModelTreeDrafter):
         embeds = self.target.model.get_input_embeddings()(torch.tensor([tokens[n] for n in new], device=device))
         features = torch.stack([self._f_hat[parents[n]] for n in new])  # [new, H]
         positions = torch.tensor([n_ctx - 1 + depths[n] for n in new])  # [new]
-        key_positions = torch.cat([torch.arange(n_ctx), torch.tensor([n_ctx - 1 + depths[n] for n in fed])])
-        mask = self._windowed(mask, positions, key_positions)
         out = self.head(embeds, features, positions, mask, self.cache)  # [new, H]
         for row, node in enumerate(new):
             self._f_hat[node] = out[row]

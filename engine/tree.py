@@ -295,12 +295,19 @@ class LookupGraftedDrafter:
     chains grafted into the head's tree, one target forward verifies all of them and the longest
     accepted path wins. Sampled trees (static shapes at temperature > 0) carry their draft
     distributions and are left as they are.
+
+    A chain is `lookup_tokens` or `store_tokens` long (None: the draft depth). A lookup chain longer
+    than the head's tree costs a few extra nodes and pays where the answer copies its context for
+    many tokens; a datastore chain is a guess from set phrases and is right for only a token or two.
     """
 
-    def __init__(self, base: TreeDrafter, name: str, store: Datastore | None = None):
+    def __init__(self, base: TreeDrafter, name: str, store: Datastore | None = None,
+                 lookup_tokens: int | None = None, store_tokens: int | None = None):
         self.base = base
         self.name = name
         self.store = store
+        self.lookup_tokens = lookup_tokens
+        self.store_tokens = store_tokens
 
     def prefill(self, ids: list[int]) -> None:
         self.base.prefill(ids)
@@ -316,8 +323,10 @@ class LookupGraftedDrafter:
             return tree
         tree = replace(tree, proposers=("", *[self.base.name] * (len(tree) - 1)))
         # in this order: a node two proposers share is credited to the head, then to prompt lookup
-        chains = {PromptLookupDrafter.name: lookup(ids, depth),
-                  DatastoreDrafter.name: self.store.continuation(ids, depth) if self.store else []}
+        lookup_tokens = depth if self.lookup_tokens is None else self.lookup_tokens
+        store_tokens = depth if self.store_tokens is None else self.store_tokens
+        chains = {PromptLookupDrafter.name: lookup(ids, lookup_tokens),
+                  DatastoreDrafter.name: self.store.continuation(ids, store_tokens) if self.store else []}
         for proposer, chain in chains.items():
             if chain:
                 tree = graft_chain(tree, chain, proposer)

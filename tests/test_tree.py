@@ -4,6 +4,7 @@ import torch
 import engine.verify
 from engine.cache import TREE_SLOT, CachedModel
 from engine.decode import GenerationConfig, generate
+from engine.drafters.datastore import Datastore
 from engine.events import StepEvent, Summary, TokenEvent
 from engine.sampling import SamplingParams
 from engine.selftest import check_tree_exactness
@@ -305,11 +306,46 @@ def _tree_drafters(draft_model):
     ]
 
 
+def _long_lookup_drafter(draft_model):
+    """Lookup chains of 8 tokens below a tree of the draft depth, as the shipped eagle_lookup grafts."""
+    base = DraftModelTreeDrafter(CachedModel(draft_model), None, top_k=2, budget=4)
+    return LookupGraftedDrafter(base, "tree_lookup", lookup_tokens=8, store_tokens=2)
+
+
+class _RootOnly:
+    """A tree drafter that proposes nothing, so the grafted chains are the whole tree."""
+
+    name = "root"
+
+    def prefill(self, ids):
+        pass
+
+    def commit(self, ids):
+        pass
+
+    def propose_tree(self, ids, depth, params, generator):
+        return DraftTree(torch.tensor([ids[-1]]), (-1,), None)
+
+
+def test_grafted_chains_have_their_own_lengths():
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2]  # lookup: the tail "1 2" was followed by 3 .. 10, 1, 2
+    store = Datastore.build([[2, 20, 21, 22, 23]])  # after "2": 20 21 22 23
+    greedy = SamplingParams(temperature=0.0)
+
+    def chains(drafter):
+        tree = drafter.propose_tree(ids, 3, greedy, None)
+        depths = node_depths(list(tree.parents))
+        return {p: max(d for d, q in zip(depths, tree.proposers) if q == p) for p in set(tree.proposers) - {""}}
+
+    assert chains(LookupGraftedDrafter(_RootOnly(), "x", store)) == {"lookup": 3, "rest": 3}  # None: the depth
+    assert chains(LookupGraftedDrafter(_RootOnly(), "x", store, lookup_tokens=8, store_tokens=2)) == {"lookup": 8, "rest": 2}
+
+
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_tree_greedy_equality(target_model, draft_model, k):
     n = 40
     reference = hf_greedy(target_model, _prompt_ids(), n)
-    for drafter in _tree_drafters(draft_model):
+    for drafter in [*_tree_drafters(draft_model), _long_lookup_drafter(draft_model)]:
         _, summary = _run(CachedModel(target_model), drafter, GenerationConfig(k=k, max_new_tokens=n))
         assert list(summary.token_ids) == reference
         assert summary.drafted > 0
@@ -327,7 +363,7 @@ def test_tree_with_draft_equal_to_target_accepts_full_depth(target_model):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_tree_steps_keep_caches_committed_and_events_consistent(target_model, draft_model, temperature):
-    for drafter in _tree_drafters(draft_model):
+    for drafter in [*_tree_drafters(draft_model), _long_lookup_drafter(draft_model)]:
         target = CachedModel(target_model)
         config = GenerationConfig(k=3, max_new_tokens=37, sampling=SamplingParams(temperature=temperature), seed=5)
         events, summary = _run(target, drafter, config)

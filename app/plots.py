@@ -167,9 +167,10 @@ class StepPlots(QWidget):
         self._position_bars.setOpts(x=np.arange(len(per_position)), height=per_position)
         histogram = np.asarray(series.histogram, dtype=float)
         self._histogram_bars.setOpts(x=np.arange(len(histogram)), height=histogram)
+        # at least K bars; more where a grafted lookup chain drafted past K (eagle_lookup)
         k = max((e.k for e in self._steps), default=4)
-        self.positions.setXRange(-0.6, k - 0.4, padding=0)
-        self.histogram.setXRange(-0.6, k + 0.6, padding=0)
+        self.positions.setXRange(-0.6, max(k, len(per_position)) - 0.4, padding=0)
+        self.histogram.setXRange(-0.6, max(k, len(histogram) - 1) + 0.6, padding=0)
 
 
 def summary_text(s: Summary) -> str:

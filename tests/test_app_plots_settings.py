@@ -149,3 +149,17 @@ def test_k_axis_levels_its_largest_k_with_rate_one(qtbot):
     ticks = plots.acceptance.getPlotItem().getAxis("right")._tickLevels[0]
     assert [label for _, label in ticks] == ["1", "2", "3", "4", "5", "6"]
     assert list(plots._k_curve.getData()[1]) == [3, 6, 2]
+
+
+def test_position_and_histogram_axes_show_drafts_past_k(qtbot):
+    from app.plots import StepPlots
+
+    plots = StepPlots()
+    qtbot.addWidget(plots)
+    plots.set_steps([step(0, 2, 2, 3, 0.1), step(1, 3, 1, 5, 0.2)])
+    assert plots.positions.getPlotItem().vb.viewRange()[0] == pytest.approx([-0.6, 3.6])  # K = 4 bars
+    assert plots.histogram.getPlotItem().vb.viewRange()[0] == pytest.approx([-0.6, 4.6])
+    # a lookup chain of 8 grafted into a K = 4 tree, all of it accepted: every bar stays in view
+    plots.set_steps([step(0, 8, 8, 9, 0.1), step(1, 3, 1, 11, 0.2)])
+    assert plots.positions.getPlotItem().vb.viewRange()[0] == pytest.approx([-0.6, 7.6])
+    assert plots.histogram.getPlotItem().vb.viewRange()[0] == pytest.approx([-0.6, 8.6])

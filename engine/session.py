@@ -186,10 +186,10 @@ def _load_datastore(folder: Path) -> Datastore:
         raise EngineError(f"Could not load the datastore in {folder}: {exc}") from exc
 
 
-# eagle_lookup's grafted chains: lookup continuations of 8 tokens and datastore ones of 2 beat chains of
-# the draft depth (4) at both tree budgets in interleaved runs on the Spec-Bench dev prompts (4 nodes:
-# 1.66x against 1.58x plain, tau 2.59 against 2.49; 32 nodes: tau 3.24 against 3.09), as copied spans
-# run long and set phrases short.
+# eagle_lookup's grafted chains: lookup continuations of 8 tokens and datastore ones of 2 beat chains
+# of the draft depth (4) at both tree budgets in interleaved runs on the Spec-Bench dev prompts (4 nodes,
+# on an AMD EPYC: 1.66x against 1.58x plain, tau 2.59 against 2.49; 32 nodes: tau 3.24 against 3.09),
+# as copied spans run long and set phrases short.
 LOOKUP_CHAIN_TOKENS = 8
 STORE_CHAIN_TOKENS = 2
 

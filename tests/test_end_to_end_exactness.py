@@ -79,8 +79,8 @@ def test_adaptive_k_generation_is_exact(models):
 @pytest.mark.parametrize("with_store", [False, True])
 def test_lookup_grafted_tree_generation_is_exact(models, with_store):
     """Prompt lookup's chain (and a datastore's) grafted into a dynamic draft tree (what eagle_lookup
-    does), verified at temperature > 0: the small vocabulary makes lookup find matches in most steps, so grafted branches are
-    verified often."""
+    does), verified at temperature > 0: the small vocabulary makes lookup find matches in most
+    steps, so grafted branches are verified often."""
     store = Datastore.build(torch.randint(VOCAB, (20, 12), generator=torch.Generator().manual_seed(5)).tolist())
     base = DraftModelTreeDrafter(CachedModel(models[1]), None, top_k=2, budget=4)
     # with the store, chains of their own lengths (as shipped): lookup past the draft depth, the store's shorter

@@ -410,8 +410,11 @@ def describe_target(engine) -> str:
     if is_packed(engine.target.model):
         layers = [m for m in engine.target.model.modules() if isinstance(m, PackedLinear)]
         stock = sum(m.one_row_stock for m in layers)
+        mkl = sum(m.mkl_blocks for m in layers)
         kernels = ", oneDNN-packed linears" + (f" (one-token products on stock kernels in {stock} of {len(layers)})"
                                               if stock else "")
+        if mkl:
+            kernels += f", blocks on MKL-packed weights in {mkl} of {len(layers)}"
     return f"{describe_device(engine.target.device)}, {str(engine.target.model.dtype).removeprefix('torch.')}{kernels}"
 
 

@@ -31,7 +31,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="spread a target too large for the GPU over GPU and CPU memory (accelerate device_map=auto)")
     parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "packed", "stock"],
                         help="on CPU: auto packs linear weights for oneDNN once at load and runs one-token products "
-                             "on whichever kernel measures faster; packed uses oneDNN for every block; stock keeps nn.Linear")
+                             "on whichever kernel measures faster, float32 blocks on oneDNN or MKL by the same test; packed uses "
+                             "oneDNN for every block; stock keeps nn.Linear")
     parser.add_argument("--tree-budget", type=int, default=None, metavar="N",
                         help="draft-tree nodes for the EAGLE and Medusa methods (default: 4 on CPU, 32 on GPU)")
 

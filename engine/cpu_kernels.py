@@ -16,6 +16,10 @@ weights, as in decoding; a micro-benchmark of one layer keeps its weight in cach
 where stock wins its layers keep their plain weights too and run single rows through F.linear.
 Drafters, whose small weights do stay in cache, choose per weight shape. Either kernel computes the
 same float32 product up to rounding; tests check that greedy outputs still equal plain decoding.
+Blocks of rows in float32 can also run on MKL's packed sgemm (cblas_sgemm_compute on a weight packed
+once, the path torch.compile's CPU backend takes for float32 linears): on one Intel Xeon it ran the
+default model's 9- and 13-token forwards 13-15% faster than oneDNN, so `auto` times a block forward
+both ways at load too and keeps the faster; one MKL pack serves every row count.
 float32 stays the CPU default: packed bfloat16 was faster still on one machine, but its rounding
 differs between a 1-token and a 5-token forward, which flipped near-tie greedy tokens and so broke
 greedy equality with plain decoding on the default model.
@@ -46,6 +50,32 @@ def packed_kernels_work(dtype: torch.dtype) -> bool:
     want = nn.functional.linear(x.float(), weight.float())
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2 * want.abs().max().item()
     return got.shape == want.shape and (got.float() - want).abs().max().item() <= tolerance
+
+
+# MKL packs a weight for a row count; a pack for 16 rows ran blocks of 5-13 rows 5-15% faster than
+# oneDNN on one Xeon, a pack for 1 row slower than oneDNN. A B-matrix pack serves any row count.
+MKL_PACK_ROWS = 16
+# auto times MKL blocks only where a third copy of the weights (plain, oneDNN, MKL) fits easily
+MKL_PROBE_MAX_BYTES = 2 << 30
+
+
+@functools.cache  # a property of the torch build
+def mkl_blocks_work() -> bool:
+    """Whether MKL's packed float32 linear exists in this torch build and agrees with F.linear."""
+    if not torch.backends.mkl.is_available():
+        return False
+    try:
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(48, 32, generator=generator)  # [out, in]
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_PACK_ROWS)
+        for rows in (1, 5, 21):
+            x = torch.randn(rows, 32, generator=generator)  # [rows, in]
+            got = torch.ops.mkl._mkl_linear(x, packed, weight, None, rows)
+            if (got - nn.functional.linear(x, weight)).abs().max().item() > 1e-4:
+                return False
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -103,6 +133,24 @@ class PackedLinear(nn.Module):
         # copy is a plain tensor, so no autograd graph grows through it
         self.weight = weight if keep_weight else weight.detach() if one_row_stock else None
         self.one_row_stock = one_row_stock
+        self.mkl_packed: torch.Tensor | None = None  # MKL's pack (add_mkl_pack), for blocks on MKL
+        self._mkl_sizes: torch.Tensor | None = None
+        self.mkl_blocks = False
+
+    def add_mkl_pack(self, weight: torch.Tensor) -> None:
+        """Pack `weight` (this layer's, float32) for MKL too, so that blocks can switch kernels."""
+        self.mkl_packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), MKL_PACK_ROWS)
+        # MKL's op reads the output and input sizes off an unpacked weight; a stride-0 stand-in of
+        # that shape serves where the plain copy is not kept
+        self._mkl_sizes = weight.new_empty(()).expand(self.out_features, self.in_features)
+
+    def keep_block_kernel(self, mkl: bool) -> None:
+        """Run blocks on MKL (mkl) or oneDNN from now on, and drop the other kernel's pack."""
+        self.mkl_blocks = mkl and self.mkl_packed is not None
+        if self.mkl_blocks:
+            self.packed = None
+        else:
+            self.mkl_packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         if torch.is_grad_enabled() and x.requires_grad:
@@ -111,11 +159,18 @@ class PackedLinear(nn.Module):
         x = x.to(self.dtype)
         if self.one_row_stock and x.numel() == self.in_features:
             return nn.functional.linear(x, self.weight, self.bias)
+        if self.mkl_blocks:
+            rows = x.numel() // self.in_features
+            # batch size = rows: MKL computes on its pack for any row count given as the batch size
+            out = torch.ops.mkl._mkl_linear(x.reshape(rows, self.in_features), self.mkl_packed, self._mkl_sizes,
+                                            self.bias, rows)  # [rows, out]
+            return out.reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         one_row = ", one row: stock" if self.one_row_stock else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN{one_row}"
+        kernel = "MKL" if self.mkl_blocks else "oneDNN"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed={kernel}{one_row}"
 
 
 def pack_linears(module: nn.Module, keep: tuple[nn.Module, ...] = (), one_row: str = "measure") -> int:
@@ -136,32 +191,70 @@ def pack_linears(module: nn.Module, keep: tuple[nn.Module, ...] = (), one_row: s
     return count
 
 
-def pack_model(model: nn.Module, one_row: str = "measure") -> bool:
+def pack_model(model: nn.Module, one_row: str = "measure", blocks: str = "onednn") -> bool:
     """Pack a loaded causal LM's linears if the kernels check out for its dtype; True if packed.
     one_row "measure" times the model's one-token forward with single rows on stock and on packed
     kernels and keeps the faster (stock only if it wins by 5%: near-equal kernels must not flip
-    between runs). Its drafters' layers follow the same mode (one_row_mode)."""
+    between runs). Its drafters' layers follow the same mode (one_row_mode). blocks: "onednn",
+    "mkl" (float32 where MKL's packed linear checks out, else oneDNN) or "measure" (a block forward
+    timed on both, MKL kept only if it wins by 5%; models over MKL_PROBE_MAX_BYTES stay on oneDNN)."""
+    if blocks not in ("measure", "onednn", "mkl"):
+        raise ValueError(f"blocks must be measure, onednn or mkl, not {blocks!r}")
     first = next(model.parameters())
     if first.device.type != "cpu" or not packed_kernels_work(first.dtype):
         return False
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    use_mkl = blocks != "onednn" and first.dtype == torch.float32 and mkl_blocks_work()
+    use_mkl = use_mkl and (blocks == "mkl" or weight_bytes <= MKL_PROBE_MAX_BYTES)
     model.speclens_one_row = one_row
     keep = (model.get_output_embeddings(),)
-    if one_row != "measure":
+    if one_row != "measure" and not use_mkl:
         return pack_linears(model, keep, one_row) > 0
-    if pack_linears(model, keep, "stock") == 0:
+    if pack_linears(model, keep, "stock") == 0:  # every layer keeps its plain weight until decided
         return False
-    try:
-        stock, packed = one_token_seconds(model)
-    except (RuntimeError, TypeError, ValueError):  # a model that cannot run this probe decodes packed
-        stock, packed = 1.0, 0.0
-    if stock >= 0.95 * packed:
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if use_mkl:
+        for layer in layers:
+            layer.add_mkl_pack(layer.weight)
+        mkl = blocks == "mkl" or _mkl_blocks_faster(model)
+        for layer in layers:
+            layer.keep_block_kernel(mkl)
+    if one_row == "measure":
+        try:
+            stock, packed = one_token_seconds(model)
+        except (RuntimeError, TypeError, ValueError):  # a model that cannot run this probe decodes packed
+            stock, packed = 1.0, 0.0
+        one_row_stock = stock < 0.95 * packed
+    else:
+        one_row_stock = one_row == "stock"
+    if not one_row_stock:
         output = model.get_output_embeddings()  # now the PackedLinear that replaced keep[0]
-        for layer in model.modules():
-            if isinstance(layer, PackedLinear):
-                layer.one_row_stock = False
-                if layer is not output:
-                    layer.weight = None  # the plain copy is not needed any more
+        for layer in layers:
+            layer.one_row_stock = False
+            if layer is not output:
+                layer.weight = None  # the plain copy is not needed any more
     return True
+
+
+def _mkl_blocks_faster(model: nn.Module, rows: int = 9, rounds: int = 5) -> bool:
+    """Whether a forward of `rows` tokens (a typical verification block) runs at least 5% faster with
+    blocks on MKL than on oneDNN; timed in alternation. A model the probe cannot run stays on oneDNN."""
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.mkl_packed is not None]
+    ids = torch.zeros(1, rows, dtype=torch.long, device=next(model.parameters()).device)  # [1, rows]
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        with torch.inference_mode():
+            for round_ in range(rounds + 1):
+                for mkl in (True, False):
+                    for layer in layers:
+                        layer.mkl_blocks = mkl
+                    start = time.perf_counter()
+                    model(input_ids=ids, use_cache=False)
+                    if round_:  # the first round warms up
+                        times[mkl].append(time.perf_counter() - start)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return sorted(times[True])[rounds // 2] < 0.95 * sorted(times[False])[rounds // 2]
 
 
 def one_token_seconds(model: nn.Module, rounds: int = 5) -> tuple[float, float]:

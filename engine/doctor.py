@@ -28,7 +28,7 @@ def diagnose() -> list[tuple[str, str, bool]]:
     """(label, value, ok) rows; a row that is not ok explains the problem in its value."""
     import torch
 
-    from engine.cpu_kernels import packed_kernels_work
+    from engine.cpu_kernels import mkl_blocks_work, packed_kernels_work
     from engine.models import _COMPLETE, cache_dir, default_model_dir
 
     rows: list[tuple[str, str, bool]] = [
@@ -47,6 +47,8 @@ def diagnose() -> list[tuple[str, str, bool]]:
     packed = [str(dtype).removeprefix("torch.") for dtype in (torch.float32, torch.bfloat16) if packed_kernels_work(dtype)]
     rows.append(("cpu kernels", f"oneDNN-packed linears ({', '.join(packed)})" if packed else
                  "stock nn.Linear (this torch build has no working oneDNN packed linear)", True))
+    rows.append(("mkl blocks", "MKL-packed float32 linears work (auto times them for blocks at load)"
+                 if mkl_blocks_work() else "no MKL packed linear in this torch build", True))
     rows.append(("model cache", str(cache_dir()), True))
     folder = default_model_dir()
     present = (folder / _COMPLETE).exists()

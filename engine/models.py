@@ -44,8 +44,9 @@ class LoadOptions:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     trust_remote_code: bool = False  # only ever True when the user turns it on for this model
     offload: bool = False  # accelerate device_map="auto" (GPU + CPU offload) for big targets
-    # auto: oneDNN-packed linears on CPU where they check out, single rows on whichever kernel measures
-    # faster | packed: packed for every block size | stock: nn.Linear (training)
+    # auto: oneDNN-packed linears on CPU where they check out, single rows and float32 blocks on
+    # whichever kernel measures faster (stock or packed; oneDNN or MKL) | packed: oneDNN for every
+    # block size | stock: nn.Linear (training)
     cpu_kernels: str = "auto"
 
 
@@ -226,7 +227,8 @@ def load_model(source: str, options: LoadOptions = LoadOptions(), progress: Prog
     use_grouped_attention(model)  # verification blocks read the KV cache in place (engine/attention.py)
     if device.type == "cpu" and options.cpu_kernels != "stock":
         # float32 stays the CPU default: bfloat16 broke greedy equality (near-ties flip)
-        pack_model(model, one_row="measure" if options.cpu_kernels == "auto" else "packed")
+        auto = options.cpu_kernels == "auto"
+        pack_model(model, one_row="measure" if auto else "packed", blocks="measure" if auto else "onednn")
     return LoadedModel(name=name, source=source, model=model, tokenizer=tokenizer, device=device, dtype=dtype)
 
 

@@ -1,4 +1,4 @@
-"""oneDNN-packed CPU linears: the numbers nn.Linear gives and the same greedy outputs for every method."""
+"""oneDNN- and MKL-packed CPU linears: the numbers nn.Linear gives and the same greedy outputs for every method."""
 
 import copy
 
@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from engine.cache import CachedModel
-from engine.cpu_kernels import PackedLinear, drafter_linear, drafter_module, is_packed, pack_model, packed_kernels_work
+from engine.cpu_kernels import (
+    PackedLinear,
+    drafter_linear,
+    drafter_module,
+    is_packed,
+    mkl_blocks_work,
+    pack_model,
+    packed_kernels_work,
+)
 from engine.decode import GenerationConfig, generate
 from engine.drafters.eagle import EagleDrafter, EagleHead
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads
@@ -34,6 +42,60 @@ def test_packed_linear_computes_what_linear_computes(dtype):
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2 * want.abs().max().item()
         assert got.shape == want.shape
         assert (got - want).abs().max().item() <= tolerance
+
+
+needs_mkl = pytest.mark.skipif(not mkl_blocks_work(), reason="no MKL packed linear in this torch")
+
+
+@needs_mkl
+@pytest.mark.parametrize("keep_plain_weight", [True, False])
+def test_mkl_blocks_compute_what_linear_computes(keep_plain_weight):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 130)
+    layer = PackedLinear(linear.weight, linear.bias, one_row_stock=keep_plain_weight)
+    layer.add_mkl_pack(linear.weight)
+    layer.keep_block_kernel(mkl=True)
+    assert layer.mkl_blocks and layer.packed is None  # the oneDNN pack is dropped
+    if not keep_plain_weight:
+        assert layer.weight is None  # MKL reads sizes off a stand-in, not a second copy of the weight
+    # row counts below, at and above the one MKL packed for, each through the packed computation
+    for shape in ((1, 96), (1, 5, 96), (1, 16, 96), (2, 13, 96), (1, 40, 96)):
+        x = torch.randn(shape)
+        with torch.inference_mode():
+            want, got = linear(x), layer(x)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_mkl
+def test_mkl_blocks_run_on_the_mkl_pack():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 130)
+    layer = PackedLinear(linear.weight, linear.bias, one_row_stock=True)
+    layer.add_mkl_pack(torch.zeros_like(linear.weight))  # a pack of zeros: MKL's blocks give the bias alone
+    layer.keep_block_kernel(mkl=True)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(torch.randn(1, 5, 96)), linear.bias.expand(1, 5, 130))
+        x = torch.randn(1, 96)
+        torch.testing.assert_close(layer(x), linear(x), atol=1e-5, rtol=1e-5)  # one row: stock F.linear
+    back = PackedLinear(linear.weight, linear.bias)
+    back.add_mkl_pack(linear.weight)
+    back.keep_block_kernel(mkl=False)
+    assert not back.mkl_blocks and back.mkl_packed is None and back.packed is not None
+
+
+@needs_mkl
+def test_pack_model_block_kernels():
+    for blocks, want in (("mkl", True), ("onednn", False)):
+        model = tiny_llama(seed=0)
+        assert pack_model(model, one_row="packed", blocks=blocks)
+        layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        assert layers and all(m.mkl_blocks is want for m in layers), blocks
+        assert all(m.weight is None for m in layers if m is not model.get_output_embeddings())
+    measured = tiny_llama(seed=0)
+    assert pack_model(measured, blocks="measure")  # either kernel may win here; both compute the same
+    with pytest.raises(ValueError, match="blocks"):
+        pack_model(tiny_llama(seed=0), blocks="fast")
 
 
 def test_one_row_stock_sends_single_rows_to_f_linear_and_blocks_to_the_packed_kernel():
@@ -96,14 +158,18 @@ def test_packed_linear_refuses_to_train():
         PackedLinear(linear.weight, linear.bias)(torch.randn(2, 8, requires_grad=True))
 
 
-@pytest.fixture(scope="module", params=["packed", "stock"])
+@pytest.fixture(scope="module", params=[("packed", "onednn"), ("stock", "onednn"), ("stock", "mkl")])
 def models(request):
     """(stock model, packed copy); the copy's single rows run on the packed kernel or on F.linear
-    (what `auto` picks per shape where stock measures faster), so plain decoding and verification
-    blocks may run on different kernels."""
+    (what `auto` picks per shape where stock measures faster), its blocks on oneDNN or MKL, so plain
+    decoding and verification blocks may run on different kernels."""
+    one_row, blocks = request.param
+    if blocks == "mkl" and not mkl_blocks_work():
+        pytest.skip("no MKL packed linear in this torch")
     stock = tiny_llama(seed=0)
     packed = copy.deepcopy(stock)
-    assert pack_model(packed, one_row=request.param) and is_packed(packed) and not is_packed(stock)
+    assert pack_model(packed, one_row=one_row, blocks=blocks) and is_packed(packed) and not is_packed(stock)
+    assert all(m.mkl_blocks == (blocks == "mkl") for m in packed.modules() if isinstance(m, PackedLinear))
     return stock, packed
 
 

@@ -56,18 +56,23 @@ def test_every_method_greedy_equals_plain_decoding(engine):
         assert result.token_ids == plain.token_ids, method
 
 
-def test_every_method_greedy_equals_plain_decoding_with_one_row_stock_kernels():
-    """Plain decoding's single rows on stock F.linear, verification blocks on packed oneDNN kernels
-    (what `auto` does where stock measures faster one row at a time): greedy outputs still agree."""
-    from engine.cpu_kernels import PackedLinear, pack_model, packed_kernels_work
+@pytest.mark.parametrize("blocks", ["onednn", "mkl"])
+def test_every_method_greedy_equals_plain_decoding_with_one_row_stock_kernels(blocks):
+    """Plain decoding's single rows on stock F.linear, verification blocks on packed oneDNN or MKL
+    kernels (what `auto` does where stock measures faster one row at a time, and MKL faster for
+    blocks): greedy outputs still agree."""
+    from engine.cpu_kernels import PackedLinear, mkl_blocks_work, pack_model, packed_kernels_work
     from engine.models import DEFAULT_MODEL, LoadOptions, load_model
     from engine.session import DEFAULT_HEADS, SHIPPED_HEADS
 
     if not packed_kernels_work(torch.float32):
         pytest.skip("no oneDNN packed linear in this torch")
+    if blocks == "mkl" and not mkl_blocks_work():
+        pytest.skip("no MKL packed linear in this torch")
     target = load_model(DEFAULT_MODEL, LoadOptions(device="cpu", dtype="float32", cpu_kernels="stock"))
-    assert pack_model(target.model, one_row="stock")
-    assert all(m.one_row_stock for m in target.model.modules() if isinstance(m, PackedLinear))
+    assert pack_model(target.model, one_row="stock", blocks=blocks)
+    layers = [m for m in target.model.modules() if isinstance(m, PackedLinear)]
+    assert all(m.one_row_stock and m.mkl_blocks == (blocks == "mkl") for m in layers)
     mixed = Engine(target, None, tuple(str(SHIPPED_HEADS / name) for name in DEFAULT_HEADS))
     prompts = ["List the days of the week.", "Write a short poem about the sea."]
     for prompt in prompts:

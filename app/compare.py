@@ -286,6 +286,8 @@ class ComparePanel(QWidget):
                 f"predicted <b>{predicted:.2f}×</b> at K={predicted_k}{adaptive} "
                 f"(advisor's best: K={advice.best_k}, {speedup_at(advice, advice.best_k):.2f}×)",
             )
+        elif any(s.tree for s in steps):
+            parts.insert(1, "no prediction (token trees: the advisor models chains of K drafts)")
         if self._greedy:
             diff = diff_tokens([t.token_id for t in self.left.tokens], [t.token_id for t in self.right.tokens])
             if diff.identical:

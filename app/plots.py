@@ -229,13 +229,18 @@ class AdvisorPanel(QWidget):
             self._best_line.hide()
             self.apply.setEnabled(False)
             self.apply.setText("Use recommended K")
-            self.label.setText(
-                "No measurement yet: send a message with a drafting method (or run a comparison), "
-                "then reopen the settings to see the predicted speedup for each K."
-                if not steps
-                else "The last answer drafted nothing (plain decoding), so there is no acceptance to "
-                "measure. Send a message with a drafting method first."
-            )
+            if not steps:
+                text = ("No measurement yet: send a message with a drafting method (or run a comparison), "
+                        "then reopen the settings to see the predicted speedup for each K.")
+            elif any(s.tree for s in steps):
+                text = ("The last answer verified token trees (a tree, EAGLE or Medusa method), whose target "
+                        "passes check more tokens than K; the advisor models chains of K drafts, so it "
+                        "predicts nothing here. Send a message with a chain method (draft, lookup, "
+                        "eagle_chain) to see the curve.")
+            else:
+                text = ("The last answer drafted nothing (plain decoding), so there is no acceptance to "
+                        "measure. Send a message with a drafting method first.")
+            self.label.setText(text)
             return
         best = advice.speedup[advice.best_k - advice.ks[0]]
         self._curve.setData(list(advice.ks), list(advice.speedup))

@@ -88,8 +88,9 @@ def diff_tokens(left: Sequence[int], right: Sequence[int]) -> TokenDiff:
 
 def advise(events: Sequence[StepEvent], k_max: int = 16) -> Advice | None:
     """The speedup advisor's prediction from one answer's measured steps (per-position acceptance
-    and draft/verify timings); None when nothing was drafted, so there is nothing to measure."""
-    if not any(e.drafted for e in events):
+    and draft/verify timings); None when nothing was drafted, so there is nothing to measure, and
+    for token trees, whose passes verify more tokens than K (the advisor models chains)."""
+    if not any(e.drafted for e in events) or any(e.tree for e in events):
         return None
     return predict(step_series(events).per_position, measure_costs(events), k_max, drafting_share(events))
 

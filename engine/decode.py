@@ -223,6 +223,7 @@ def generate(
             verify_s=step.verify_s,
             new_tokens=len(new_ids),
             elapsed_s=time.perf_counter() - start,
+            tree=step_with_drafter is tree_step,
         )
 
     elapsed = time.perf_counter() - start

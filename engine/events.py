@@ -57,6 +57,9 @@ class StepEvent:
     verify_s: float
     new_tokens: int  # total emitted so far in this generation
     elapsed_s: float  # since the generation started (prefill included)
+    # a token tree was verified (tree, eagle, eagle_lookup, medusa): the pass verified more tokens
+    # than `drafted`, so the speedup advisor's chain model does not describe it
+    tree: bool = False
 
 
 @dataclass(frozen=True)

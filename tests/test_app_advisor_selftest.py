@@ -101,6 +101,11 @@ def test_settings_dialog_says_when_there_is_no_measurement(qtbot):
     plain = (StepEvent(1, 0, 0, 0, 1, 0.0, 0.01, 1, 0.01),)
     dialog.set_measurement(plain, "a plain answer")
     assert dialog.advisor.advice is None and "drafted nothing" in dialog.advisor.label.text()
+    # token trees verify more tokens than K: the chain model is not applied to them
+    tree = (StepEvent(1, 4, 4, 3, 4, 0.001, 0.01, 4, 0.01, tree=True), StepEvent(2, 4, 2, 1, 2, 0.001, 0.01, 6, 0.02))
+    dialog.set_measurement(tree, "a tree answer")
+    assert dialog.advisor.advice is None and not dialog.advisor.apply.isEnabled()
+    assert "token trees" in dialog.advisor.label.text()
 
 
 def test_method_list_comes_from_the_engine(qtbot, make_window):

@@ -48,6 +48,19 @@ def test_compare_fills_both_panes_and_reports_identical_at_temperature_zero(qtbo
     assert "draft" in window.plots.summary.text()
 
 
+def test_compare_gives_no_chain_prediction_for_a_tree_method(qtbot, make_window):
+    window = make_window(tiny_factory())
+    window.apply_settings(AppSettings(method="tree", draft="tiny", k=3, temperature=0.0, max_new_tokens=20))
+    with qtbot.waitSignal(window.compare.finished, timeout=60_000) as blocker:
+        window.run_compare("Count: one two three")
+    result = blocker.args[0]
+    assert result.error == "" and result.speculative.method == "tree" and result.diff.identical
+    assert result.speculative_steps and all(s.tree for s in result.speculative_steps)
+    assert result.advice is None and result.predicted_speedup is None
+    text = window.compare.result.text()
+    assert "no prediction (token trees" in text and "measured" in text
+
+
 def test_compare_marks_differences(qtbot, make_window):
     from app.stats import diff_tokens
 

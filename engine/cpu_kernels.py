@@ -236,44 +236,51 @@ def pack_model(model: nn.Module, one_row: str = "measure", blocks: str = "onednn
     return True
 
 
-def _mkl_blocks_faster(model: nn.Module, rows: int = 9, rounds: int = 5) -> bool:
+def _mkl_blocks_faster(model: nn.Module, rows: int = 9) -> bool:
     """Whether a forward of `rows` tokens (a typical verification block) runs at least 5% faster with
     blocks on MKL than on oneDNN; timed in alternation. A model the probe cannot run stays on oneDNN."""
     layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.mkl_packed is not None]
-    ids = torch.zeros(1, rows, dtype=torch.long, device=next(model.parameters()).device)  # [1, rows]
-    times: dict[bool, list[float]] = {True: [], False: []}
+
+    def use_mkl(on: bool) -> None:
+        for layer in layers:
+            layer.mkl_blocks = on
+
     try:
-        with torch.inference_mode():
-            for round_ in range(rounds + 1):
-                for mkl in (True, False):
-                    for layer in layers:
-                        layer.mkl_blocks = mkl
-                    start = time.perf_counter()
-                    model(input_ids=ids, use_cache=False)
-                    if round_:  # the first round warms up
-                        times[mkl].append(time.perf_counter() - start)
+        mkl, onednn = _alternating_seconds(model, rows, use_mkl, warmup=1)
     except (RuntimeError, TypeError, ValueError):
         return False
-    return sorted(times[True])[rounds // 2] < 0.95 * sorted(times[False])[rounds // 2]
+    return mkl < 0.95 * onednn
 
 
-def one_token_seconds(model: nn.Module, rounds: int = 5) -> tuple[float, float]:
+def one_token_seconds(model: nn.Module) -> tuple[float, float]:
     """Median seconds of one one-token forward of a packed model with single rows on stock kernels
     and on packed kernels, measured in alternation so that a noisy neighbour slows both alike."""
     layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.weight is not None]
-    ids = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)  # [1, 1]
+
+    def use_stock(on: bool) -> None:
+        for layer in layers:
+            layer.one_row_stock = on
+
+    try:
+        return _alternating_seconds(model, 1, use_stock, warmup=2)
+    finally:
+        use_stock(True)
+
+
+def _alternating_seconds(model: nn.Module, rows: int, switch: Callable[[bool], None], warmup: int,
+                         rounds: int = 5) -> tuple[float, float]:
+    """Median seconds of a no-cache forward of `rows` tokens with switch(True), then switch(False),
+    taken in alternation (a noisy neighbour slows both alike) after `warmup` unrecorded rounds."""
+    ids = torch.zeros(1, rows, dtype=torch.long, device=next(model.parameters()).device)  # [1, rows]
     times: dict[bool, list[float]] = {True: [], False: []}
     with torch.inference_mode():
-        for round_ in range(rounds + 2):
-            for stock in (True, False):
-                for layer in layers:
-                    layer.one_row_stock = stock
+        for round_ in range(warmup + rounds):
+            for on in (True, False):
+                switch(on)
                 start = time.perf_counter()
                 model(input_ids=ids, use_cache=False)
-                if round_ >= 2:  # the first rounds warm up
-                    times[stock].append(time.perf_counter() - start)
-    for layer in layers:
-        layer.one_row_stock = True
+                if round_ >= warmup:
+                    times[on].append(time.perf_counter() - start)
     return sorted(times[True])[rounds // 2], sorted(times[False])[rounds // 2]
 
 

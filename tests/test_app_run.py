@@ -19,12 +19,17 @@ from tests.app_fixtures import app_dirs, make_window, send_and_wait, tiny_factor
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _compare(qtbot, window, settings: AppSettings, prompt: str = "Count: one two three"):
+    """Apply settings, run a comparison and return its CompareResult."""
+    window.apply_settings(settings)
+    with qtbot.waitSignal(window.compare.finished, timeout=60_000) as blocker:
+        window.run_compare(prompt)
+    return blocker.args[0]
+
+
 def test_compare_fills_both_panes_and_reports_identical_at_temperature_zero(qtbot, make_window):
     window = make_window(tiny_factory())
-    window.apply_settings(AppSettings(method="draft", draft="tiny", k=3, temperature=0.0, max_new_tokens=30))
-    with qtbot.waitSignal(window.compare.finished, timeout=60_000) as blocker:
-        window.run_compare("Count: one two three")
-    result = blocker.args[0]
+    result = _compare(qtbot, window, AppSettings(method="draft", draft="tiny", k=3, temperature=0.0, max_new_tokens=30))
     left, right = window.compare.left, window.compare.right
     assert len(left.tokens) == len(right.tokens) == 30
     assert {t.source for t in left.tokens} == {"target"}
@@ -50,10 +55,7 @@ def test_compare_fills_both_panes_and_reports_identical_at_temperature_zero(qtbo
 
 def test_compare_gives_no_chain_prediction_for_a_tree_method(qtbot, make_window):
     window = make_window(tiny_factory())
-    window.apply_settings(AppSettings(method="tree", draft="tiny", k=3, temperature=0.0, max_new_tokens=20))
-    with qtbot.waitSignal(window.compare.finished, timeout=60_000) as blocker:
-        window.run_compare("Count: one two three")
-    result = blocker.args[0]
+    result = _compare(qtbot, window, AppSettings(method="tree", draft="tiny", k=3, temperature=0.0, max_new_tokens=20))
     assert result.error == "" and result.speculative.method == "tree" and result.diff.identical
     assert result.speculative_steps and all(s.tree for s in result.speculative_steps)
     assert result.advice is None and result.predicted_speedup is None

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu_kernels import PackedLinear, is_packed, one_token_seconds
+from engine.cpu_kernels import PackedLinear, is_packed, native_kernel_of, one_token_seconds
 from engine.decode import GenerationConfig
 from engine.events import StepEvent, Summary
 from engine.sampling import SamplingParams
@@ -407,7 +407,9 @@ def _rate(runs: Sequence[Run]) -> float:
 def describe_target(engine) -> str:
     """Device, dtype and (on CPU) which linear kernels the target runs."""
     kernels = ""
-    if is_packed(engine.target.model):
+    if native_kernel_of(engine.target.model) is not None:
+        kernels = f", SpecLens's native linears ({native_kernel_of(engine.target.model).isa()})"
+    elif is_packed(engine.target.model):
         layers = [m for m in engine.target.model.modules() if isinstance(m, PackedLinear)]
         stock = sum(m.one_row_stock for m in layers)
         mkl = sum(m.mkl_blocks for m in layers)

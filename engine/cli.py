@@ -29,10 +29,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true", help="run model code from the model's repo")
     parser.add_argument("--offload", action="store_true",
                         help="spread a target too large for the GPU over GPU and CPU memory (accelerate device_map=auto)")
-    parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "packed", "stock"],
-                        help="on CPU: auto packs linear weights for oneDNN once at load and runs one-token products "
-                             "on whichever kernel measures faster, float32 blocks on oneDNN or MKL by the same test; packed uses "
-                             "oneDNN for every block; stock keeps nn.Linear")
+    parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "native", "packed", "stock"],
+                        help="on CPU: auto runs float32 models on SpecLens's native kernel (compiled for this CPU at "
+                             "first use), else packs linear weights for oneDNN and picks one-token and block kernels by "
+                             "measurement; native insists on the native kernel; packed uses oneDNN for every block; "
+                             "stock keeps nn.Linear")
     parser.add_argument("--tree-budget", type=int, default=None, metavar="N",
                         help="draft-tree nodes for the EAGLE and Medusa methods (default: 4 on CPU, 32 on GPU)")
 

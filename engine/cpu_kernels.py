@@ -1,4 +1,8 @@
-"""oneDNN-packed linear layers: the CPU fast path for every model SpecLens decodes with.
+"""oneDNN-packed linear layers: the CPU fast path where SpecLens's native kernel is not available.
+
+Where it builds, a float32 model on CPU runs SpecLens's own kernel instead (engine/native_kernels.py:
+faster still, and batch invariant); everything below is what `auto` falls back to, what `packed`
+asks for, and what bfloat16 models use.
 
 Decoding a small model on a CPU is bound by reading the weights once per forward, and PyTorch's
 stock `nn.Linear` re-reads (and for bfloat16 re-blocks) each weight in a layout oneDNN did not choose.
@@ -34,6 +38,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from engine.native_kernels import NativeLinear, use_native_linears
 
 
 @functools.cache  # a property of the torch build: checked once per dtype, not per model or drafter
@@ -288,31 +294,44 @@ def one_row_mode(target: nn.Module) -> str:
     return getattr(target, "speclens_one_row", "measure")
 
 
+def native_kernel_of(model: nn.Module):
+    """The native extension a model's linears run on (engine/native_kernels.py), or None."""
+    output = model.get_output_embeddings()
+    return output.kernel if isinstance(output, NativeLinear) else None
+
+
 def is_packed(model: nn.Module) -> bool:
-    return isinstance(model.get_output_embeddings(), PackedLinear)
+    """Whether a model's linears run on a CPU kernel of SpecLens's choosing (oneDNN/MKL-packed or native)."""
+    return isinstance(model.get_output_embeddings(), (PackedLinear, NativeLinear))
 
 
 def drafting_dtype(target: nn.Module) -> torch.dtype:
     """The precision drafters run in. A drafter's numbers never touch exactness (verification uses
-    whatever distribution it drafted from), so with packed kernels drafters read half the bytes in
-    bfloat16 even where the target stays in float32."""
-    if is_packed(target) and packed_kernels_work(torch.bfloat16):
+    whatever distribution it drafted from), so with oneDNN-packed kernels drafters read half the bytes
+    in bfloat16 even where the target stays in float32. The native kernel is float32 only."""
+    if is_packed(target) and native_kernel_of(target) is None and packed_kernels_work(torch.bfloat16):
         return torch.bfloat16
     return next(target.parameters()).dtype
 
 
 def drafter_module(module: nn.Module, target: nn.Module) -> nn.Module:
-    """A copy of a drafter's module on the target's device in drafting_dtype, packed like the target.
+    """A copy of a drafter's module on the target's device in drafting_dtype, on the target's kernels.
     A copy, so the module passed in (for instance one being trained) keeps its nn.Linear layers."""
     module = copy.deepcopy(module).to(next(target.parameters()).device, drafting_dtype(target)).eval()
-    if is_packed(target):
+    native = native_kernel_of(target)
+    if native is not None:
+        use_native_linears(module, native)
+    elif is_packed(target):
         pack_linears(module, one_row=one_row_mode(target))
     return module
 
 
 def drafter_linear(target: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-    """A drafter's linear layer over (weight, bias): packed in drafting_dtype when the target is
-    packed, else an nn.Linear sharing the given tensors."""
+    """A drafter's linear layer over (weight, bias): on the target's kernels in drafting_dtype when the
+    target runs on SpecLens's kernels, else an nn.Linear sharing the given tensors."""
+    native = native_kernel_of(target)
+    if native is not None:
+        return NativeLinear(native, weight, bias)
     if is_packed(target):
         dtype = drafting_dtype(target)
         return PackedLinear(weight.detach().to(dtype), None if bias is None else bias.detach().to(dtype),

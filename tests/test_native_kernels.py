@@ -1,0 +1,195 @@
+"""SpecLens's native float32 linear kernel: the numbers nn.Linear gives, one fixed FMA order per output
+(so rows are bit for bit the same alone or in a block), the fallbacks when it cannot be built, and the
+same greedy outputs for every method on a target that runs it."""
+
+import numpy as np
+import pytest
+import torch
+
+from engine import native_kernels
+from engine.cache import CachedModel
+from engine.cpu_kernels import drafter_linear, drafter_module, is_packed, native_kernel_of
+from engine.decode import GenerationConfig, generate
+from engine.drafters.eagle import EagleDrafter, EagleHead
+from engine.drafters.medusa import MedusaDrafter, MedusaHeads
+from engine.events import Summary
+from engine.models import LoadOptions, ModelLoadError, _use_cpu_kernels
+from engine.native_kernels import NativeLinear, native_build, use_native_linears
+from engine.tree import TreeShape
+from tests.tiny import hf_greedy, tiny_llama, tiny_tokenizer
+
+native = native_build().module
+needs_native = pytest.mark.skipif(native is None, reason=f"native kernel unavailable: {native_build().message}")
+
+PROMPT = "one two three four five six one two three four"
+PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+@needs_native
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_linear_computes_what_linear_computes(bias):
+    torch.manual_seed(0)
+    for out_features in (130, 64, 16, 200):  # tails inside a panel and inside a group of 64, and none
+        linear = torch.nn.Linear(96, out_features, bias=bias)
+        layer = NativeLinear(native, linear.weight, linear.bias)
+        for shape in ((1, 96), (96,), (1, 7, 96), (2, 5, 96), (40, 96), (1, 0, 96)):
+            x = torch.randn(shape)
+            with torch.inference_mode():
+                want, got = linear(x), layer(x)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _sequential_fma(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """x [M, K] @ weight [N, K]^T in float32 as one fused multiply-add chain per output, k = 0, 1, ...:
+    the product of two float32 numbers is exact in float64, and each step rounds once to float32."""
+    acc = np.zeros((x.shape[0], weight.shape[0]), dtype=np.float32)
+    for k in range(x.shape[1]):
+        exact = acc.astype(np.float64) + np.outer(x[:, k].astype(np.float64), weight[:, k].astype(np.float64))
+        acc = exact.astype(np.float32)
+    return acc
+
+
+@needs_native
+def test_each_output_is_one_fma_chain_in_input_order():
+    """The kernel's result is exactly the sequential chain above, bit for bit, for every row count and
+    tile shape; that is what makes a row's result independent of the block it is computed in."""
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(70, 24, generator=generator)  # [N, K]
+    panels = native.pack(weight)
+    for rows in (1, 2, 3, 7, 13, 25):
+        x = torch.randn(rows, 24, generator=generator)
+        got = native.linear(x, panels, None, 70).numpy()
+        want = _sequential_fma(x.numpy(), weight.numpy())
+        assert np.array_equal(got, want), rows
+    # the comparison has teeth: the same products summed in float64, then rounded once, differ somewhere
+    assert not np.array_equal(got, (x.double() @ weight.double().T).float().numpy())
+
+
+@needs_native
+def test_a_row_gives_the_same_bits_alone_in_any_block_and_on_any_thread_count():
+    torch.manual_seed(2)
+    layer = NativeLinear(native, torch.randn(300, 576), torch.randn(300))
+    block = torch.randn(40, 576)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        alone = torch.cat([layer(block[i : i + 1]) for i in range(40)])
+        for rows in (2, 5, 6, 7, 12, 13, 24, 25, 40):  # every tile shape and the chunking past 24 rows
+            assert torch.equal(layer(block[:rows]), alone[:rows]), rows
+        try:
+            torch.set_num_threads(2)
+            assert torch.equal(layer(block), alone)
+        finally:
+            torch.set_num_threads(threads)
+
+
+@needs_native
+def test_native_linear_refuses_to_train_and_keeps_the_weight_only_when_asked():
+    linear = torch.nn.Linear(8, 4)
+    with pytest.raises(RuntimeError, match="no backward"):
+        NativeLinear(native, linear.weight, linear.bias)(torch.randn(2, 8, requires_grad=True))
+    assert NativeLinear(native, linear.weight, None).weight is None
+    assert NativeLinear(native, linear.weight, None, keep_weight=True).weight is linear.weight
+
+
+def test_a_kernel_that_cannot_be_built_leaves_pytorchs_kernels(monkeypatch):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+    monkeypatch.setattr(native_kernels, "unsupported_reason", lambda: None)
+    native_build.cache_clear()
+    try:
+        build = native_build()
+        assert build.module is None and "could not be built here (Error building extension" in build.message
+        model = tiny_llama(seed=0)
+        _use_cpu_kernels(model, "auto", torch.float32, lambda *a: None)  # auto: oneDNN where it checks out
+        assert native_kernel_of(model) is None
+        with pytest.raises(ModelLoadError, match="native CPU kernel is not available: could not be built"):
+            _use_cpu_kernels(tiny_llama(seed=0), "native", torch.float32, lambda *a: None)
+    finally:
+        native_build.cache_clear()
+
+
+def test_the_native_kernel_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("SPECLENS_NATIVE_KERNELS", "0")
+    native_build.cache_clear()
+    try:
+        assert native_build().module is None and "SPECLENS_NATIVE_KERNELS=0" in native_build().message
+    finally:
+        native_build.cache_clear()
+
+
+def test_native_is_float32_only():
+    with pytest.raises(ModelLoadError, match="float32 models only"):
+        _use_cpu_kernels(tiny_llama(seed=0).to(torch.bfloat16), "native", torch.bfloat16, lambda *a: None)
+    assert LoadOptions(cpu_kernels="native").cpu_kernels == "native"
+
+
+def test_a_failing_self_check_keeps_the_kernel_out():
+    class Wrong:
+        @staticmethod
+        def pack(weight):
+            return weight
+
+        @staticmethod
+        def linear(x, panels, bias, out_features):
+            return torch.zeros(*x.shape[:-1], out_features)
+
+    assert "differ from F.linear" in native_kernels.self_check(Wrong)
+    if native is not None:
+        assert native_kernels.self_check(native) is None
+
+
+@needs_native
+def test_drafters_follow_a_native_target():
+    model = tiny_llama(seed=0)
+    assert use_native_linears(model, native, keep=(model.get_output_embeddings(),)) > 0
+    assert is_packed(model) and native_kernel_of(model) is native
+    assert model.get_output_embeddings().weight is not None  # EAGLE's draft rows and training read it
+    head = EagleHead.for_target(model.config)
+    copy = drafter_module(head, model)
+    assert any(isinstance(m, NativeLinear) for m in copy.modules())
+    assert next(copy.parameters()).dtype == torch.float32  # the native kernel is float32 only
+    assert not any(isinstance(m, NativeLinear) for m in head.modules())  # the head passed in is untouched
+    assert isinstance(drafter_linear(model, model.get_output_embeddings().weight[:10], None), NativeLinear)
+
+
+def _greedy(model, drafter_factory=None, k=4, n=32):
+    target = CachedModel(model)
+    drafter = drafter_factory(target) if drafter_factory else None
+    ids = tiny_tokenizer()(PROMPT)["input_ids"]
+    events = list(generate(target, tiny_tokenizer(), ids, GenerationConfig(method="x", k=k, max_new_tokens=n), drafter))
+    assert isinstance(events[-1], Summary)
+    return events[-1]
+
+
+@needs_native
+def test_every_head_method_on_a_native_target_equals_plain_decoding():
+    stock = tiny_llama(seed=0)
+    model = tiny_llama(seed=0)
+    use_native_linears(model, native, keep=(model.get_output_embeddings(),))
+    n = 32
+    ids = tiny_tokenizer()(PROMPT)["input_ids"]
+    with torch.inference_mode():
+        torch.testing.assert_close(model(torch.tensor([ids])).logits, stock(torch.tensor([ids])).logits,
+                                   atol=1e-4, rtol=1e-4)
+    reference = hf_greedy(stock, ids, n)
+    assert list(_greedy(model, n=n).token_ids) == reference
+    torch.manual_seed(4)
+    eagle = EagleHead.for_target(model.config)
+    medusa = MedusaHeads(model.config.hidden_size, model.config.vocab_size, num_heads=3)
+    with torch.no_grad():
+        for p in [*eagle.parameters(), *medusa.parameters()]:
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    eagle.draft_vocab = torch.arange(0, model.config.vocab_size, 2)
+    factories = {
+        "eagle_tree": lambda t: EagleDrafter(eagle, t, None, top_k=3, budget=10),
+        "eagle_chain": lambda t: EagleDrafter(eagle, t, TreeShape.from_paths([[0], [0, 0], [0, 0, 0]])),
+        "medusa": lambda t: MedusaDrafter(medusa, t, TreeShape.from_paths(PATHS)),
+    }
+    for name, factory in factories.items():
+        summary = _greedy(model, factory, n=n)
+        assert list(summary.token_ids) == reference, name
+        assert summary.drafted > 0, name

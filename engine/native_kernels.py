@@ -73,6 +73,8 @@ def unsupported_reason() -> str | None:
     """Why this machine cannot use the native kernel, or None if it can try to build it."""
     if os.environ.get("SPECLENS_NATIVE_KERNELS", "1") == "0":
         return "turned off (SPECLENS_NATIVE_KERNELS=0)"
+    if not SOURCE.exists():
+        return f"its source {SOURCE.name} is missing from this installation"
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         return f"built for Linux on x86-64 only, not {platform.system()} on {platform.machine()}"
     capability = torch.backends.cpu.get_cpu_capability()
@@ -94,7 +96,7 @@ def _find_ninja() -> None:
 
 def is_built() -> bool:
     """Whether a build for this machine is already in the cache (loading it takes about a second)."""
-    return any(build_dir().glob("*.so")) if build_dir().exists() else False
+    return unsupported_reason() is None and build_dir().exists() and any(build_dir().glob("*.so"))
 
 
 @functools.cache  # one build per process: later calls return the loaded module

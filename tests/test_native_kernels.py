@@ -193,3 +193,9 @@ def test_every_head_method_on_a_native_target_equals_plain_decoding():
         summary = _greedy(model, factory, n=n)
         assert list(summary.token_ids) == reference, name
         assert summary.drafted > 0, name
+
+
+def test_an_installation_without_the_source_says_so(monkeypatch, tmp_path):
+    monkeypatch.setattr(native_kernels, "SOURCE", tmp_path / "native_linear.cpp")
+    assert "native_linear.cpp is missing" in native_kernels.unsupported_reason()
+    assert not native_kernels.is_built()

@@ -11,6 +11,11 @@ Here the query heads that share a key/value head are stacked along the query axi
 reads the cache as it is. The numbers are the same: each query row still meets the same keys, values
 and mask row. `use_grouped_attention` switches a loaded model over; the plain path (one query) and
 prefill (no mask, causal) go through HF's own SDPA function unchanged.
+
+Where SpecLens's native kernels are built (engine/native_kernels.py), a float32 model on CPU runs every
+attention call, plain and masked alike, on their batch-invariant attention instead
+(`use_native_attention`): a query's result is then bit for bit the same whether it is decoded alone
+or verified inside a draft block or tree, and with the native linears so is the whole forward.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from torch import nn
 
 ATTENTION_NAME = "speclens_sdpa"
+NATIVE_ATTENTION_NAME = "speclens_native"
 
 
 def grouped_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -49,19 +55,50 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     return out.transpose(1, 2).contiguous(), None
 
 
+def _native_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """HF attention-interface function on the native kernel (one sequence, float32 on CPU, a mask that
+    only allows or forbids); anything else, or a mask with other values, goes to `_attention`."""
+    from engine.native_kernels import native_build
+
+    native, mask = native_build().module, attention_mask
+    if (native is not None and query.shape[0] == 1 and not dropout and query.dtype == torch.float32
+            and query.device.type == "cpu" and (mask is None or (mask.dim() == 4 and mask.shape[:2] == (1, 1)))
+            and all(kwargs.get(name) is None for name in ("position_bias", "softcap", "s_aux", "sinks"))):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        try:
+            out = native.attention(query[0].transpose(0, 1), key[0], value[0], None if mask is None else mask[0, 0],
+                                   scale, getattr(module, "is_causal", True))  # [T, H, D]
+            return out[None], None
+        except RuntimeError:  # a shape or a mask the kernel does not take
+            pass
+    return _attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def use_native_attention(model: nn.Module) -> bool:
+    """Switch a loaded HF model (on "sdpa" or grouped attention) to the native attention kernel; True
+    if switched."""
+    return _switch(model, NATIVE_ATTENTION_NAME, _native_attention, (ATTENTION_NAME, "sdpa"))
+
+
 def use_grouped_attention(model: nn.Module) -> bool:
     """Switch a loaded HF model from "sdpa" to grouped_query_attention for masked query blocks; True if
     switched (models on another attention implementation, or that cannot switch, are left alone)."""
+    return _switch(model, ATTENTION_NAME, _attention, ("sdpa",))
+
+
+def _switch(model: nn.Module, name: str, function, switch_from: tuple[str, ...]) -> bool:
+    """Register `function` as HF attention implementation `name` (masks built as for SDPA) and move the
+    model to it if it is on one of `switch_from`; True if it is on `name` now."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+    if getattr(model.config, "_attn_implementation", None) not in switch_from:
         return False
     # HF's registries are keyed by name; registering the same functions again is harmless
-    AttentionInterface.register(ATTENTION_NAME, _attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)
     try:
-        model.set_attn_implementation(ATTENTION_NAME)
+        model.set_attn_implementation(name)
     except (ValueError, AttributeError, NotImplementedError):
         return False
-    return model.config._attn_implementation == ATTENTION_NAME
+    return model.config._attn_implementation == name

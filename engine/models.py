@@ -22,7 +22,7 @@ from pathlib import Path
 import platformdirs
 import torch
 
-from engine.attention import use_grouped_attention
+from engine.attention import use_grouped_attention, use_native_attention
 from engine.cpu_kernels import pack_model
 from engine.native_kernels import native_build, native_module, use_native_linears
 
@@ -241,6 +241,7 @@ def _use_cpu_kernels(model: torch.nn.Module, mode: str, dtype: torch.dtype, prog
     native = native_module(progress) if mode in ("auto", "native") and dtype == torch.float32 else None
     if native is not None:
         use_native_linears(model, native, keep=(model.get_output_embeddings(),))
+        use_native_attention(model)
     elif mode == "native":
         why = "it runs float32 models only" if dtype != torch.float32 else native_build().message
         raise ModelLoadError(f"SpecLens's native CPU kernel is not available: {why}.")

@@ -1,4 +1,4 @@
-"""SpecLens's own float32 linear kernel (engine/native_linear.cpp), compiled for this CPU at first use.
+"""SpecLens's own float32 linear kernel (engine/native_kernels.cpp), compiled for this CPU at first use.
 
 Decoding a small model on a CPU streams every weight from memory once per forward. PyTorch's kernels
 reach only part of the memory bandwidth for one row: on two cores of an AMD EPYC the default model's
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-SOURCE = Path(__file__).with_name("native_linear.cpp")
+SOURCE = Path(__file__).with_name("native_kernels.cpp")
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
@@ -119,7 +119,7 @@ def native_build() -> NativeBuild:
     problem = self_check(module)
     if problem:
         return NativeBuild(None, f"failed its self-check ({problem}); PyTorch's kernels are used")
-    return NativeBuild(module, f"{module.isa()} float32 linear, built for this CPU in {build_dir()}")
+    return NativeBuild(module, f"{module.isa()} float32 linear and attention, built for this CPU in {build_dir()}")
 
 
 def self_check(module) -> str | None:

@@ -56,6 +56,32 @@ def test_every_method_greedy_equals_plain_decoding(engine):
         assert result.token_ids == plain.token_ids, method
 
 
+def test_verification_scores_every_token_exactly_as_plain_decoding(engine):
+    """Where the native kernels are built the default model's forward is batch invariant: the logits of
+    an eagle_lookup tree's nodes equal, bit for bit, those plain decoding computes for the same tokens,
+    so at any temperature verification samples from exactly plain decoding's distributions."""
+    from engine.cache import CachedModel
+    from engine.cpu_kernels import native_kernel_of
+    from engine.native_kernels import native_build
+    from engine.tree import ancestor_path
+
+    if native_kernel_of(engine.target.model) is None:
+        pytest.skip(f"native kernels unavailable: {native_build().message}")
+    assert engine.target.model.config._attn_implementation == "speclens_native"
+    ids = engine.encode_chat([{"role": "user", "content": "Write a short poem about the sea."}])
+    target = CachedModel(engine.target.model, engine.target_lm.n_vocab)
+    target.prefill(ids)
+    tree = engine.drafter("eagle_lookup").propose_tree(ids, 4, GenerationConfig().sampling, None)
+    tokens, parents = tree.tokens.tolist(), list(tree.parents)
+    assert len(tokens) > 4
+    logits = target.forward_tree(ids, tokens, parents)  # [N, V]
+    for node in range(len(tokens)):
+        context = ids + [tokens[m] for m in ancestor_path(parents, node)]  # the node decoded after its path
+        plain = CachedModel(engine.target.model, engine.target_lm.n_vocab)
+        plain.prefill(context)
+        assert torch.equal(plain.forward(context, [], 1)[0], logits[node]), node
+
+
 @pytest.mark.parametrize("blocks", ["onednn", "mkl"])
 def test_every_method_greedy_equals_plain_decoding_with_one_row_stock_kernels(blocks):
     """Plain decoding's single rows on stock F.linear, verification blocks on packed oneDNN or MKL

@@ -1,6 +1,7 @@
-"""SpecLens's native float32 linear kernel: the numbers nn.Linear gives, one fixed FMA order per output
-(so rows are bit for bit the same alone or in a block), the fallbacks when it cannot be built, and the
-same greedy outputs for every method on a target that runs it."""
+"""SpecLens's native float32 kernels: a linear layer with the numbers nn.Linear gives and one fixed FMA
+order per output, attention with the numbers softmax attention gives and one fixed order per query (so
+rows are bit for bit the same alone or in a block, and so is a whole model's forward), the fallbacks
+when they cannot be built, and the same greedy outputs for every method on a target that runs them."""
 
 import numpy as np
 import pytest
@@ -13,9 +14,10 @@ from engine.decode import GenerationConfig, generate
 from engine.drafters.eagle import EagleDrafter, EagleHead
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads
 from engine.events import Summary
+from engine.attention import _native_attention, grouped_query_attention
 from engine.models import LoadOptions, ModelLoadError, _use_cpu_kernels
 from engine.native_kernels import NativeLinear, native_build, use_native_linears
-from engine.tree import TreeShape
+from engine.tree import TreeShape, tree_attention
 from tests.tiny import hf_greedy, tiny_llama, tiny_tokenizer
 
 native = native_build().module
@@ -141,6 +143,101 @@ def test_a_failing_self_check_keeps_the_kernel_out():
         assert native_kernels.self_check(native) is None
 
 
+def _reference_attention(q, k, v, allowed, scale):
+    """Softmax attention in float64: q [T, H, D], k and v [G, S, D], allowed [T, S] -> [T, H, D]."""
+    group = q.shape[1] // k.shape[0]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for h in range(q.shape[1]):
+        scores = (q[:, h].double() @ k[h // group].double().T) * scale  # [T, S]
+        out[:, h] = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v[h // group].double()
+    return out
+
+
+@needs_native
+def test_native_attention_computes_softmax_attention():
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 6, 32, generator=generator)  # [T, H, D]: 6 query heads over 2 key/value heads
+    k, v = torch.randn(2, 2, 40, 32, generator=generator)  # [G, S, D] each
+    scale = 32 ** -0.5
+    causal = torch.ones(5, 40, dtype=torch.bool).tril(35)  # query t sees keys 0 .. 35 + t
+    allowed = torch.rand(5, 40, generator=generator) < 0.6
+    allowed[:, 0] = True
+    floats = torch.zeros(5, 40).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    for mask, want_allowed, is_causal in ((None, causal, True), (None, torch.ones(5, 40, dtype=torch.bool), False),
+                                          (allowed, allowed, True), (floats, allowed, True),
+                                          (torch.cat([allowed, allowed[:, :3]], 1), allowed, True)):  # a longer mask
+        got = native.attention(q, k, v, mask, scale, is_causal)
+        torch.testing.assert_close(got.double(), _reference_attention(q, k, v, want_allowed, scale), atol=2e-6, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="other than 0 and -inf"):
+        native.attention(q, k, v, floats + 0.5, scale, True)  # an additive bias is not a mask: refused
+
+
+@needs_native
+def test_native_attention_of_a_tree_node_equals_its_path_decoded_alone():
+    """Node i of a tree sees the context and its ancestors, with its siblings' and cousins' keys in the
+    cache in between; its result must be bit for bit that of the same query over context + path."""
+    generator = torch.Generator().manual_seed(5)
+    parents = [-1, 0, 0, 1, 1, 2, 3]
+    n_ctx, n = 11, len(parents)
+    k, v = torch.randn(2, 3, n_ctx + n, 16, generator=generator)  # [G, S, D]
+    q = torch.randn(n, 6, 16, generator=generator)  # [T, H, D]: one query per node
+    allowed = torch.ones(n, n_ctx + n, dtype=torch.bool)
+    allowed[:, n_ctx:] = tree_attention(parents)
+    block = native.attention(q, k, v, allowed, 0.25, True)
+    for node in range(n):
+        keys = torch.cat([torch.arange(n_ctx), n_ctx + torch.nonzero(tree_attention(parents)[node])[:, 0]])
+        alone = native.attention(q[node : node + 1], k[:, keys], v[:, keys], None, 0.25, True)  # decoded: all keys
+        assert torch.equal(block[node], alone[0]), node
+
+
+@needs_native
+def test_attention_the_kernel_refuses_falls_back_to_sdpa():
+    class Attention:
+        num_key_value_groups = 2
+        is_causal = True
+
+    generator = torch.Generator().manual_seed(6)
+    query = torch.randn(1, 4, 3, 16, generator=generator)  # [B, H, T, D]
+    key, value = torch.randn(2, 1, 2, 9, 16, generator=generator)  # [B, G, S, D] each
+    bias = torch.randn(1, 1, 3, 9, generator=generator)  # additive scores, not a mask
+    got, _ = _native_attention(Attention(), query, key, value, bias, scaling=0.25)
+    want = grouped_query_attention(query, key, value, bias, 0.25).transpose(1, 2)  # [B, T, H, D]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _native_tiny(seed=0):
+    model = tiny_llama(seed=seed)
+    _use_cpu_kernels(model, "native", torch.float32, lambda *a: None)
+    assert model.config._attn_implementation == "speclens_native"
+    return model
+
+
+@needs_native
+def test_a_native_target_scores_a_block_and_a_tree_exactly_as_plain_decoding():
+    """With the native linears and attention the whole forward is batch invariant: the logits of a
+    verified chain or tree equal, bit for bit, those of the same tokens decoded one at a time."""
+    model = _native_tiny()
+    ids = tiny_tokenizer()(PROMPT)["input_ids"]
+    extra = ids[:5]
+    decoded = CachedModel(model)
+    decoded.prefill(ids)
+    rows = [decoded.forward(ids + extra[:i], [], 1)[0] for i in range(len(extra) + 1)]  # one token at a time
+    chain = CachedModel(model)
+    chain.prefill(ids)
+    assert torch.equal(chain.forward(ids, extra, len(extra) + 1), torch.stack(rows))
+    # a tree whose path 0 -> 2 -> 4 -> 5 is extra[:3]: the other nodes sit between them in the cache
+    tree_tokens, parents = [ids[-1], extra[1], extra[0], ids[3], extra[1], extra[2]], [-1, 0, 0, 1, 2, 4]
+    tree = CachedModel(model)
+    tree.prefill(ids)
+    logits = tree.forward_tree(ids, tree_tokens, parents)
+    for node, row in ((0, 0), (2, 1), (4, 2), (5, 3)):
+        assert torch.equal(logits[node], rows[row]), node
+    stock = tiny_llama(seed=0)  # and the numbers are the model's own, up to rounding
+    with torch.inference_mode():
+        want = stock(torch.tensor([ids + extra])).logits[0, len(ids) - 1 :]
+    torch.testing.assert_close(torch.stack(rows), want, atol=1e-4, rtol=1e-4)
+
+
 @needs_native
 def test_drafters_follow_a_native_target():
     model = tiny_llama(seed=0)
@@ -167,8 +264,7 @@ def _greedy(model, drafter_factory=None, k=4, n=32):
 @needs_native
 def test_every_head_method_on_a_native_target_equals_plain_decoding():
     stock = tiny_llama(seed=0)
-    model = tiny_llama(seed=0)
-    use_native_linears(model, native, keep=(model.get_output_embeddings(),))
+    model = _native_tiny()
     n = 32
     ids = tiny_tokenizer()(PROMPT)["input_ids"]
     with torch.inference_mode():
@@ -196,6 +292,6 @@ def test_every_head_method_on_a_native_target_equals_plain_decoding():
 
 
 def test_an_installation_without_the_source_says_so(monkeypatch, tmp_path):
-    monkeypatch.setattr(native_kernels, "SOURCE", tmp_path / "native_linear.cpp")
-    assert "native_linear.cpp is missing" in native_kernels.unsupported_reason()
+    monkeypatch.setattr(native_kernels, "SOURCE", tmp_path / "native_kernels.cpp")
+    assert "native_kernels.cpp is missing" in native_kernels.unsupported_reason()
     assert not native_kernels.is_built()

@@ -1,6 +1,7 @@
-// SpecLens's float32 linear kernel for small row counts on x86-64 CPUs (AVX-512F, or AVX2 + FMA).
+// SpecLens's float32 CPU kernels for decoding on x86-64 (AVX-512F, or AVX2 + FMA): a linear layer
+// and attention over a KV cache, both batch invariant.
 //
-// y[M, N] = x[M, K] W^T (+ bias) with W repacked once into panels of 16 output columns,
+// Linear: y[M, N] = x[M, K] W^T (+ bias) with W repacked once into panels of 16 output columns,
 // [P, K, 16] (P = N rounded up to 64, over 16; zero padding), so that a panel's weights for one k are
 // one 64-byte line and every panel is one contiguous stream.
 //
@@ -14,6 +15,13 @@
 // whether it is computed alone or inside a block of any size. Verification therefore scores a
 // drafted token with exactly the numbers plain decoding would have computed for it.
 //
+// Attention: out[t, h] = softmax_j(scale * q[h, t] . k[g, j]) v[g, j] over the keys j that query t may
+// see (its mask row, or causally), with g = h / (H / G) (grouped-query attention read in place).
+// Batch invariant as well: a query's keys are taken in cache order with the masked ones skipped, and
+// every sum (the dot products, the softmax total, the weighted values) runs over that compacted
+// sequence in a fixed order. A tree node sees its context and its ancestors, in that order, exactly
+// as the same token decoded alone sees the cache; the other tree nodes in between leave no trace.
+//
 // Built at first use by engine/native_kernels.py (torch.utils.cpp_extension, -march=native).
 
 #include <torch/extension.h>
@@ -21,6 +29,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -173,6 +183,72 @@ constexpr const char* kIsa = "AVX2";
 #error "SpecLens's native linear needs AVX-512F or AVX2 with FMA"
 #endif
 
+
+// ---- attention ------------------------------------------------------------------------------------
+
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int64_t kLanes = 16;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset1(float x) { return _mm512_set1_ps(x); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline Vec vround(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec vpow2(Vec n) {  // 2^n for integral n in [-127, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+#else
+using Vec = __m256;
+constexpr int64_t kLanes = 8;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset1(float x) { return _mm256_set1_ps(x); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline float vsum(Vec v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+inline Vec vround(Vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec vpow2(Vec n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+#endif
+
+// e^x for x <= 0 (softmax arguments after subtracting the maximum), within 2 ulp down to e^-87;
+// below that it returns about 1e-38 rather than 0, which a softmax total never notices.
+inline Vec vexp(Vec x) {
+  x = vmax(x, vset1(-87.0f));
+  const Vec n = vround(vmul(x, vset1(1.44269504088896341f)));
+  Vec r = vsub(x, vmul(n, vset1(0.693145751953125f)));
+  r = vsub(r, vmul(n, vset1(1.42860682030941723e-6f)));
+  Vec p = vset1(1.0f / 720);
+  p = vfma(p, r, vset1(1.0f / 120));
+  p = vfma(p, r, vset1(1.0f / 24));
+  p = vfma(p, r, vset1(1.0f / 6));
+  p = vfma(p, r, vset1(0.5f));
+  p = vfma(p, r, vset1(1.0f));
+  p = vfma(p, r, vset1(1.0f));
+  return vmul(p, vpow2(n));
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {  // n a multiple of kLanes
+  Vec acc = vzero();
+  for (int64_t i = 0; i < n; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
+  return vsum(acc);
+}
+
 }  // namespace
 
 // [N, K] float32 -> panels [P, K, 16], P = N rounded up to 64, over 16 (zero padded).
@@ -229,10 +305,98 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, const 
   return out.view(sizes);
 }
 
+
+// q [T, H, D] (any strides, last dim contiguous), k and v [G, S, D] (the same), mask [T, S'] with
+// S' >= S (bool: true = may attend; float: 0 = may attend, -inf or the dtype's lowest = may not) or
+// undefined (then causal: query t sees keys 0 .. S - T + t; or every key when `causal` is false)
+// -> out [T, H, D]. A float mask with any other value is refused: the caller falls back.
+torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                        const c10::optional<torch::Tensor>& mask, double scale, bool causal) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attention takes q [T, H, D], k and v [G, S, D]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
+                  v.scalar_type() == torch::kFloat32 && q.device().is_cpu(), "attention takes float32 CPU tensors");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), G = k.size(0), S = k.size(1);
+  TORCH_CHECK(D % kLanes == 0 && v.size(2) == D && k.size(2) == D && v.size(0) == G && v.size(1) == S &&
+                  G > 0 && H % G == 0, "unsupported attention shapes");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "the head dimension must be contiguous");
+  const bool masked = mask.has_value() && mask->defined();
+  torch::Tensor m;
+  if (masked) {
+    m = *mask;
+    TORCH_CHECK(m.dim() == 2 && m.size(0) == T && m.size(1) >= S, "the mask must be [T, >= S]");
+    TORCH_CHECK(m.scalar_type() == torch::kBool || m.scalar_type() == torch::kFloat32, "bool or float32 mask");
+  }
+  auto out = torch::empty({T, H, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0),
+                vs1 = v.stride(1), group = H / G;
+  const bool* mb = masked && m.scalar_type() == torch::kBool ? m.data_ptr<bool>() : nullptr;
+  const float* mf = masked && m.scalar_type() == torch::kFloat32 ? m.data_ptr<float>() : nullptr;
+  const int64_t ms0 = masked ? m.stride(0) : 0, ms1 = masked ? m.stride(1) : 0;
+  std::atomic<bool> refused{false};
+  at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<int64_t> keys(S);
+    std::vector<float> weights(S + kLanes);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / H, h = i % H, g = h / group;
+      int64_t n = 0;  // the keys this query sees, in cache order
+      for (int64_t j = 0; j < S; ++j) {
+        bool sees;
+        if (mb) {
+          sees = mb[t * ms0 + j * ms1];
+        } else if (mf) {
+          const float x = mf[t * ms0 + j * ms1];
+          sees = x == 0.0f;
+          if (!sees && !(x < -1e30f)) refused = true;
+        } else {
+          sees = !causal || j <= S - T + t;
+        }
+        if (sees) keys[n++] = j;
+      }
+      const float* qrow = qp + t * qs0 + h * qs1;
+      float* orow = op + (t * H + h) * D;
+      if (n == 0) {  // a fully masked row (padding): zeros, as SDPA's math gives no meaningful answer
+        std::fill(orow, orow + D, 0.0f);
+        continue;
+      }
+      float top = -INFINITY;
+      for (int64_t c = 0; c < n; ++c) {
+        weights[c] = static_cast<float>(scale) * dot(qrow, kp + g * ks0 + keys[c] * ks1, D);
+        top = std::max(top, weights[c]);
+      }
+      const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+      Vec total = vzero();
+      for (int64_t c = 0; c < padded; c += kLanes) {
+        Vec e = vexp(vsub(vload(weights.data() + c), vset1(top)));
+        if (c + kLanes > n) {  // lanes past the last key weigh exactly nothing
+          alignas(64) float lane[kLanes];
+          vstore(lane, e);
+          for (int64_t l = n - c; l < kLanes; ++l) lane[l] = 0.0f;
+          e = vload(lane);
+        }
+        vstore(weights.data() + c, e);
+        total = vadd(total, e);
+      }
+      const Vec inverse = vset1(1.0f / vsum(total));
+      for (int64_t d = 0; d < D; d += kLanes) {
+        Vec acc = vzero();
+        for (int64_t c = 0; c < n; ++c) acc = vfma(vset1(weights[c]), vload(vp + g * vs0 + keys[c] * vs1 + d), acc);
+        vstore(orow + d, vmul(acc, inverse));
+      }
+    }
+  });
+  TORCH_CHECK(!refused, "the float mask holds values other than 0 and -inf");
+  return out;
+}
+
 std::string isa() { return kIsa; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "float32 weight [N, K] -> panels [P, K, 16]");
   m.def("linear", &linear, "x [..., K] @ W^T (+ bias) from packed panels");
+  m.def("attention", &attention, "batch-invariant attention of q [T, H, D] over k, v [G, S, D]");
   m.def("isa", &isa, "the instruction set this build uses");
 }

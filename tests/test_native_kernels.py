@@ -17,8 +17,10 @@ from engine.events import Summary
 from engine.attention import _native_attention, grouped_query_attention
 from engine.models import LoadOptions, ModelLoadError, _use_cpu_kernels
 from engine.native_kernels import NativeLinear, native_build, use_native_linears
+from engine.selftest import block_invariance_line
+from engine.session import Engine
 from engine.tree import TreeShape, tree_attention
-from tests.tiny import hf_greedy, tiny_llama, tiny_tokenizer
+from tests.tiny import hf_greedy, loaded, tiny_llama, tiny_tokenizer
 
 native = native_build().module
 needs_native = pytest.mark.skipif(native is None, reason=f"native kernel unavailable: {native_build().message}")
@@ -295,3 +297,19 @@ def test_an_installation_without_the_source_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(native_kernels, "SOURCE", tmp_path / "native_kernels.cpp")
     assert "native_kernels.cpp is missing" in native_kernels.unsupported_reason()
     assert not native_kernels.is_built()
+
+
+def test_the_selftest_checks_block_invariance_and_fails_without_it():
+    plain = Engine(loaded(tiny_llama(seed=0), "tiny"))  # PyTorch's kernels: rounding differs, for information
+    prompt = tiny_tokenizer()(PROMPT)["input_ids"]
+    line, ok = block_invariance_line(plain, prompt, prompt[:6])
+    assert ok and line.startswith("INFO block invariance")
+    if native is None:
+        return
+    exact = Engine(loaded(_native_tiny(), "tiny-native"))
+    line, ok = block_invariance_line(exact, prompt, prompt[:6])
+    assert ok and line.startswith("PASS block invariance") and "bit for bit" in line
+    # the check has teeth: PyTorch's SDPA in place of the native attention breaks bit-for-bit equality
+    exact.target.model.set_attn_implementation("sdpa")
+    line, ok = block_invariance_line(exact, prompt, prompt[:6])
+    assert not ok and line.startswith("FAIL block invariance"), line

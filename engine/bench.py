@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from engine.attention import NATIVE_ATTENTION_NAME
 from engine.cpu_kernels import PackedLinear, is_packed, native_kernel_of, one_token_seconds
 from engine.decode import GenerationConfig
 from engine.events import StepEvent, Summary
@@ -408,7 +409,9 @@ def describe_target(engine) -> str:
     """Device, dtype and (on CPU) which linear kernels the target runs."""
     kernels = ""
     if native_kernel_of(engine.target.model) is not None:
-        kernels = f", SpecLens's native linears ({native_kernel_of(engine.target.model).isa()})"
+        attention = engine.target.model.config._attn_implementation == NATIVE_ATTENTION_NAME
+        kernels = (f", SpecLens's native linears{' and attention' if attention else ''} "
+                   f"({native_kernel_of(engine.target.model).isa()})")
     elif is_packed(engine.target.model):
         layers = [m for m in engine.target.model.modules() if isinstance(m, PackedLinear)]
         stock = sum(m.one_row_stock for m in layers)

@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError
 
 from engine.cache import CachedModel
+from engine.cpu_kernels import native_kernel_of
 from engine.decode import GenerationConfig, generate
 from engine.drafters import Drafter
 from engine.drafters.datastore import Datastore, DatastoreDrafter, is_datastore
@@ -136,7 +137,8 @@ class Engine:
 
     def describe(self) -> str:
         t = self.target
-        text = f"{t.name} ({t.device.type}, {str(t.dtype).removeprefix('torch.')})"
+        kernels = ", native kernels" if native_kernel_of(t.model) is not None else ""
+        text = f"{t.name} ({t.device.type}, {str(t.dtype).removeprefix('torch.')}{kernels})"
         return text + (f" + draft {self.draft.name}" if self.draft else "")
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:

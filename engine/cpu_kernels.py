@@ -308,7 +308,8 @@ def is_packed(model: nn.Module) -> bool:
 def drafting_dtype(target: nn.Module) -> torch.dtype:
     """The precision drafters run in. A drafter's numbers never touch exactness (verification uses
     whatever distribution it drafted from), so with oneDNN-packed kernels drafters read half the bytes
-    in bfloat16 even where the target stays in float32. The native kernel is float32 only."""
+    in bfloat16 even where the target stays in float32. On the native kernel they compute in float32
+    from bfloat16 weights (drafter_module, drafter_linear), which reads as few bytes."""
     if is_packed(target) and native_kernel_of(target) is None and packed_kernels_work(torch.bfloat16):
         return torch.bfloat16
     return next(target.parameters()).dtype
@@ -320,7 +321,7 @@ def drafter_module(module: nn.Module, target: nn.Module) -> nn.Module:
     module = copy.deepcopy(module).to(next(target.parameters()).device, drafting_dtype(target)).eval()
     native = native_kernel_of(target)
     if native is not None:
-        use_native_linears(module, native)
+        use_native_linears(module, native, bfloat16=True)
     elif is_packed(target):
         pack_linears(module, one_row=one_row_mode(target))
     return module
@@ -331,7 +332,7 @@ def drafter_linear(target: nn.Module, weight: torch.Tensor, bias: torch.Tensor |
     target runs on SpecLens's kernels, else an nn.Linear sharing the given tensors."""
     native = native_kernel_of(target)
     if native is not None:
-        return NativeLinear(native, weight, bias)
+        return NativeLinear(native, weight, bias, bfloat16=True)
     if is_packed(target):
         dtype = drafting_dtype(target)
         return PackedLinear(weight.detach().to(dtype), None if bias is None else bias.detach().to(dtype),

@@ -46,10 +46,17 @@ inline __mmask16 column_mask(int64_t left) {
   return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
 }
 
+// 16 weights of a panel line as floats: float32 as they are, bfloat16 widened exactly.
+inline __m512 load_line(const float* p) { return _mm512_load_ps(p); }
+inline __m512 load_line(const uint16_t* p) {
+  const __m256i bits = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 // Rows [0, MR) times NV panels. xt: the rows transposed, [K, ldx]; w: the first panel [K, 16],
-// later panels K * 16 floats apart; out: [MR, ldo], `cols` valid columns from out[0].
-template <int MR, int NV>
-void tile(const float* xt, int64_t ldx, const float* w, int64_t K, const float* bias, float* out, int64_t ldo,
+// later panels K * 16 weights apart; out: [MR, ldo], `cols` valid columns from out[0].
+template <int MR, int NV, typename W>
+void tile(const float* xt, int64_t ldx, const W* w, int64_t K, const float* bias, float* out, int64_t ldo,
           int64_t cols) {
   __m512 acc[MR][NV];
 #pragma GCC unroll 24
@@ -57,11 +64,11 @@ void tile(const float* xt, int64_t ldx, const float* w, int64_t K, const float* 
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    const float* wk = w + k * kPanel;
+    const W* wk = w + k * kPanel;
     __m512 b[NV];
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) {
-      b[j] = _mm512_load_ps(wk + j * K * kPanel);
+      b[j] = load_line(wk + j * K * kPanel);
       _mm_prefetch(reinterpret_cast<const char*>(wk + j * K * kPanel + kPrefetch * kPanel), _MM_HINT_T0);
     }
 #pragma GCC unroll 24
@@ -84,8 +91,8 @@ void tile(const float* xt, int64_t ldx, const float* w, int64_t K, const float* 
 }
 
 // Tiles of up to MAXR rows over NV panels for all M rows.
-template <int NV, int MAXR>
-void rows(const float* xt, int64_t M, const float* w, int64_t K, const float* bias, float* out, int64_t ldo,
+template <int NV, int MAXR, typename W>
+void rows(const float* xt, int64_t M, const W* w, int64_t K, const float* bias, float* out, int64_t ldo,
           int64_t cols) {
   for (int64_t r0 = 0; r0 < M; r0 += MAXR) {
     const float* x = xt + r0;
@@ -109,11 +116,12 @@ void rows(const float* xt, int64_t M, const float* w, int64_t K, const float* bi
 // One group of 64 output columns: as many panels side by side as the row count leaves registers for
 // (4 x 6, 2 x 12 or 1 x 24 accumulators of 16 floats). One or two rows take one panel at a time: a
 // single stream from memory read as fast as four side by side there (and the AVX2 path does so too).
-void group(const float* xt, int64_t M, const float* w, int64_t K, const float* bias, float* out, int64_t ldo,
+template <typename W>
+void group(const float* xt, int64_t M, const W* w, int64_t K, const float* bias, float* out, int64_t ldo,
            int64_t cols) {
   const int64_t width = M <= 2 ? 1 : M <= 6 ? 4 : M <= 12 ? 2 : 1;  // panels per tile
   for (int64_t p = 0; p < kGroup / kPanel; p += width) {
-    const float* wp = w + p * K * kPanel;
+    const W* wp = w + p * K * kPanel;
     const float* bp = bias ? bias + p * kPanel : nullptr;
     float* op = out + p * kPanel;
     const int64_t left = cols - p * kPanel;
@@ -128,16 +136,23 @@ constexpr const char* kIsa = "AVX-512";
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
+// 8 weights of a panel line as floats: float32 as they are, bfloat16 widened exactly.
+inline __m256 load_half(const float* p) { return _mm256_load_ps(p); }
+inline __m256 load_half(const uint16_t* p) {
+  const __m128i bits = _mm_load_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
 // One panel (two 8-float halves) for rows [0, MR); xt: the rows transposed, [K, ldx].
-template <int MR>
-void tile(const float* xt, int64_t ldx, const float* w, int64_t K, const float* bias, float* out, int64_t ldo,
+template <int MR, typename W>
+void tile(const float* xt, int64_t ldx, const W* w, int64_t K, const float* bias, float* out, int64_t ldo,
           int64_t cols) {
   __m256 lo[MR], hi[MR];
 #pragma GCC unroll 6
   for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    const float* wk = w + k * kPanel;
-    const __m256 b0 = _mm256_load_ps(wk), b1 = _mm256_load_ps(wk + 8);
+    const W* wk = w + k * kPanel;
+    const __m256 b0 = load_half(wk), b1 = load_half(wk + 8);
     _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch * kPanel), _MM_HINT_T0);
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
@@ -156,12 +171,13 @@ void tile(const float* xt, int64_t ldx, const float* w, int64_t K, const float* 
   }
 }
 
-void group(const float* xt, int64_t M, const float* w, int64_t K, const float* bias, float* out, int64_t ldo,
+template <typename W>
+void group(const float* xt, int64_t M, const W* w, int64_t K, const float* bias, float* out, int64_t ldo,
            int64_t cols) {
   for (int64_t p = 0; p < kGroup / kPanel && p * kPanel < cols; ++p) {
     for (int64_t r0 = 0; r0 < M; r0 += 6) {
       const float* x = xt + r0;
-      const float* wp = w + p * K * kPanel;
+      const W* wp = w + p * K * kPanel;
       const float* bp = bias ? bias + p * kPanel : nullptr;
       float* o = out + r0 * ldo + p * kPanel;
       const int64_t left = cols - p * kPanel;
@@ -251,15 +267,17 @@ inline float dot(const float* a, const float* b, int64_t n) {  // n a multiple o
 
 }  // namespace
 
-// [N, K] float32 -> panels [P, K, 16], P = N rounded up to 64, over 16 (zero padded).
-torch::Tensor pack(const torch::Tensor& weight) {
+// [N, K] float32 -> panels [P, K, 16], P = N rounded up to 64, over 16 (zero padded), in float32 or
+// rounded to bfloat16 (half the bytes to stream; for drafters, whose precision never touches exactness).
+torch::Tensor pack(const torch::Tensor& weight, bool bfloat16) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.device().is_cpu(),
               "pack takes a float32 CPU weight [out, in]");
   const int64_t N = weight.size(0), K = weight.size(1);
   const int64_t padded = (N + kGroup - 1) / kGroup * kGroup;
   auto full = torch::zeros({padded, K}, weight.options());
   full.narrow(0, 0, N).copy_(weight);
-  return full.view({padded / kPanel, kPanel, K}).transpose(1, 2).contiguous();
+  auto panels = full.view({padded / kPanel, kPanel, K}).transpose(1, 2);
+  return (bfloat16 ? panels.to(torch::kBFloat16) : panels).contiguous();
 }
 
 // x [..., K] float32, panels from pack(), bias [N] or None -> [..., N].
@@ -267,6 +285,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, const 
                      int64_t N) {
   const int64_t K = x.size(-1);
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "linear takes float32 CPU input");
+  TORCH_CHECK(panels.scalar_type() == torch::kFloat32 || panels.scalar_type() == torch::kBFloat16,
+              "panels are float32 or bfloat16");
   TORCH_CHECK(panels.dim() == 3 && panels.size(1) == K && panels.size(2) == kPanel && panels.is_contiguous() &&
                   panels.size(0) * kPanel >= N && (panels.size(0) * kPanel) % kGroup == 0,
               "panels do not fit this input");
@@ -292,16 +312,19 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, const 
     TORCH_CHECK(b.scalar_type() == torch::kFloat32 && b.numel() == N, "bias must be float32 [N]");
   }
   const float* xp = M > 1 ? transposed.data() : xs;
-  const float* wp = panels.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t groups = (N + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      group(xp, M, wp + g * K * kGroup, K, bp ? bp + g * kGroup : nullptr, op + g * kGroup, N,
-            std::min<int64_t>(kGroup, N - g * kGroup));
-    }
-  });
+  const auto run = [&](const auto* wp) {
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g) {
+        group(xp, M, wp + g * K * kGroup, K, bp ? bp + g * kGroup : nullptr, op + g * kGroup, N,
+              std::min<int64_t>(kGroup, N - g * kGroup));
+      }
+    });
+  };
+  if (panels.scalar_type() == torch::kBFloat16) run(reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()));
+  else run(panels.data_ptr<float>());
   return out.view(sizes);
 }
 
@@ -395,7 +418,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
 std::string isa() { return kIsa; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "float32 weight [N, K] -> panels [P, K, 16]");
+  m.def("pack", &pack, "float32 weight [N, K] -> panels [P, K, 16] in float32 or bfloat16",
+        py::arg("weight"), py::arg("bfloat16") = false);
   m.def("linear", &linear, "x [..., K] @ W^T (+ bias) from packed panels");
   m.def("attention", &attention, "batch-invariant attention of q [T, H, D] over k, v [G, S, D]");
   m.def("isa", &isa, "the instruction set this build uses");

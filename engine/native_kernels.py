@@ -123,22 +123,24 @@ def native_build() -> NativeBuild:
 
 
 def self_check(module) -> str | None:
-    """Compare the kernel with F.linear on shapes that cover every tile and tail; None if it agrees and
-    each row of a block equals the row computed alone, bit for bit."""
+    """Compare the kernel with F.linear on shapes that cover every tile and tail, with float32 and
+    bfloat16 panels; None if it agrees and each row of a block equals the row computed alone, bit for bit."""
     generator = torch.Generator().manual_seed(0)
     for out_features, in_features, bias in ((48, 32, False), (200, 96, True), (64, 576, False)):
         weight = torch.randn(out_features, in_features, generator=generator)  # [N, K]
         b = torch.randn(out_features, generator=generator) if bias else None
-        panels = module.pack(weight)
-        for rows in (1, 5, 9, 13, 30):
-            x = torch.randn(rows, in_features, generator=generator)  # [rows, K]
-            got = module.linear(x, panels, b, out_features)
-            want = nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
-            if got.shape != want.shape or (got.double() - want).abs().max().item() > 1e-4 * in_features ** 0.5:
-                return f"{rows} rows of a {out_features}x{in_features} weight differ from F.linear"
-            alone = torch.cat([module.linear(x[i : i + 1], panels, b, out_features) for i in range(rows)])
-            if not torch.equal(got, alone):
-                return f"a block of {rows} rows differs from its rows computed one at a time"
+        for bfloat16 in (False, True):
+            panels = module.pack(weight, bfloat16)
+            exact = (weight.bfloat16() if bfloat16 else weight).double()  # the weights the panels hold
+            for rows in (1, 5, 9, 13, 30):
+                x = torch.randn(rows, in_features, generator=generator)  # [rows, K]
+                got = module.linear(x, panels, b, out_features)
+                want = nn.functional.linear(x.double(), exact, None if b is None else b.double())
+                if got.shape != want.shape or (got.double() - want).abs().max().item() > 1e-4 * in_features ** 0.5:
+                    return f"{rows} rows of a {out_features}x{in_features} weight differ from F.linear"
+                alone = torch.cat([module.linear(x[i : i + 1], panels, b, out_features) for i in range(rows)])
+                if not torch.equal(got, alone):
+                    return f"a block of {rows} rows differs from its rows computed one at a time"
     return None
 
 
@@ -150,16 +152,19 @@ def native_module(progress: Callable[[str, float | None], None] | None = None):
 
 
 class NativeLinear(nn.Module):
-    """y = x W^T + b on SpecLens's native kernel (float32, CPU inference only).
+    """y = x W^T + b on SpecLens's native kernel (float32 activations, CPU inference only).
 
-    `weight` stays reachable only where other code reads it (`keep_weight`: the output embedding,
-    whose rows EAGLE drafts from and which training reads); elsewhere only the panels are held."""
+    The weight is held as float32 panels, or as bfloat16 panels for drafters (`bfloat16`: half the bytes
+    to stream, widened exactly to float32 in the kernel; a drafter's precision never touches
+    exactness). `weight` stays reachable only where other code reads it (`keep_weight`: the output
+    embedding, whose rows EAGLE drafts from and which training reads); elsewhere only the panels are held."""
 
-    def __init__(self, module, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False):
+    def __init__(self, module, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False,
+                 bfloat16: bool = False):
         super().__init__()
         self.kernel = module
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.panels = module.pack(weight.detach().float().contiguous())  # [P, in, 16], not a parameter
+        self.panels = module.pack(weight.detach().float().contiguous(), bfloat16)  # [P, in, 16], not a parameter
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self.weight = weight if keep_weight else None
 
@@ -169,17 +174,18 @@ class NativeLinear(nn.Module):
         return self.kernel.linear(x.float(), self.panels, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, kernel=native"
+        weights = str(self.panels.dtype).removeprefix("torch.")
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel=native ({weights} weights)"
 
 
-def use_native_linears(module: nn.Module, native, keep: tuple[nn.Module, ...] = ()) -> int:
-    """Swap every float32 CPU nn.Linear under module for a NativeLinear on the extension `native`;
-    linears in `keep` retain their weight attribute. Returns how many were swapped."""
+def use_native_linears(module: nn.Module, native, keep: tuple[nn.Module, ...] = (), bfloat16: bool = False) -> int:
+    """Swap every float32 CPU nn.Linear under module for a NativeLinear on the extension `native`
+    (bfloat16 panels if asked); linears in `keep` retain their weight attribute. Returns how many."""
     count = 0
     for name, child in list(module.named_children()):
         if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
-            setattr(module, name, NativeLinear(native, child.weight, child.bias, keep_weight=child in keep))
+            setattr(module, name, NativeLinear(native, child.weight, child.bias, child in keep, bfloat16))
             count += 1
         else:
-            count += use_native_linears(child, native, keep)
+            count += use_native_linears(child, native, keep, bfloat16)
     return count

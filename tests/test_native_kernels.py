@@ -44,6 +44,22 @@ def test_native_linear_computes_what_linear_computes(bias):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@needs_native
+def test_bfloat16_panels_compute_with_the_rounded_weights_exactly_widened():
+    """Drafters' weights as bfloat16 panels: the product is that of the bfloat16-rounded weight in
+    float32 (the widening is exact), and blocks still equal their rows computed alone."""
+    torch.manual_seed(7)
+    linear = torch.nn.Linear(96, 130)
+    layer = NativeLinear(native, linear.weight, linear.bias, bfloat16=True)
+    assert layer.panels.dtype == torch.bfloat16 and "bfloat16 weights" in repr(layer)
+    rounded = NativeLinear(native, linear.weight.detach().bfloat16().float(), linear.bias)  # float32 panels
+    x = torch.randn(13, 96)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), rounded(x))
+        assert torch.equal(layer(x), torch.cat([layer(x[i : i + 1]) for i in range(13)]))
+        torch.testing.assert_close(layer(x), linear(x), atol=5e-2, rtol=2e-2)
+
+
 def _sequential_fma(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """x [M, K] @ weight [N, K]^T in float32 as one fused multiply-add chain per output, k = 0, 1, ...:
     the product of two float32 numbers is exact in float64, and each step rounds once to float32."""
@@ -133,7 +149,7 @@ def test_native_is_float32_only():
 def test_a_failing_self_check_keeps_the_kernel_out():
     class Wrong:
         @staticmethod
-        def pack(weight):
+        def pack(weight, bfloat16):
             return weight
 
         @staticmethod
@@ -248,10 +264,12 @@ def test_drafters_follow_a_native_target():
     assert model.get_output_embeddings().weight is not None  # EAGLE's draft rows and training read it
     head = EagleHead.for_target(model.config)
     copy = drafter_module(head, model)
-    assert any(isinstance(m, NativeLinear) for m in copy.modules())
-    assert next(copy.parameters()).dtype == torch.float32  # the native kernel is float32 only
+    layers = [m for m in copy.modules() if isinstance(m, NativeLinear)]
+    assert layers and all(m.panels.dtype == torch.bfloat16 for m in layers)  # drafters stream half the bytes
+    assert next(copy.parameters()).dtype == torch.float32  # and compute in float32
     assert not any(isinstance(m, NativeLinear) for m in head.modules())  # the head passed in is untouched
-    assert isinstance(drafter_linear(model, model.get_output_embeddings().weight[:10], None), NativeLinear)
+    rows = drafter_linear(model, model.get_output_embeddings().weight[:10], None)
+    assert isinstance(rows, NativeLinear) and rows.panels.dtype == torch.bfloat16
 
 
 def _greedy(model, drafter_factory=None, k=4, n=32):

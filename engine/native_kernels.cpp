@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 #include <cstring>
 #include <vector>
 
@@ -259,10 +260,131 @@ inline Vec vexp(Vec x) {
   return vmul(p, vpow2(n));
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {  // n a multiple of kLanes
-  Vec acc = vzero();
-  for (int64_t i = 0; i < n; i += kLanes) acc = vfma(vload(a + i), vload(b + i), acc);
-  return vsum(acc);
+#if defined(__AVX512F__)
+// The lanes l of a vector without bit St set, in order, then the same lanes + 16 (lanes of the second
+// operand of a two-vector permute); + St, the lanes each is added to.
+template <int St>
+__m512i pair_index(int offset) {
+  alignas(64) int32_t lanes[16];
+  for (int l = 0, n = 0; l < 16; ++l)
+    if (!(l & St)) lanes[n] = l + offset, lanes[n + 8] = l + 16 + offset, ++n;
+  return _mm512_load_si512(lanes);
+}
+
+// Lanes 0-7: x[l] + x[l + St] over the lanes l without bit St, in order; lanes 8-15: the same of y.
+template <int St>
+inline Vec pair_sum(Vec x, Vec y) {
+  static const __m512i first = pair_index<St>(0), second = pair_index<St>(St);
+  return _mm512_add_ps(_mm512_permutex2var_ps(x, first, y), _mm512_permutex2var_ps(x, second, y));
+}
+
+// Lane j of the result: the sum of the lanes of acc[j], over one fixed tree (lanes l and l + 8, then
+// l and l + 4, l + 2, l + 1), whichever vectors share the batch.
+inline Vec reduce_batch(Vec* acc) {
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) acc[i] = pair_sum<8>(acc[2 * i], acc[2 * i + 1]);
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) acc[i] = pair_sum<4>(acc[2 * i], acc[2 * i + 1]);
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i) acc[i] = pair_sum<2>(acc[2 * i], acc[2 * i + 1]);
+  return pair_sum<1>(acc[0], acc[1]);
+}
+#else
+// Lane j of the result: the sum of the lanes of acc[j] (lanes l and l + 4, then l + 2, then l + 1).
+inline Vec reduce_batch(Vec* acc) {
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)
+    acc[i] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x20),
+                           _mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x31));
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)
+    acc[i] = _mm256_add_ps(_mm256_shuffle_ps(acc[2 * i], acc[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm256_shuffle_ps(acc[2 * i], acc[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const Vec r = _mm256_add_ps(_mm256_shuffle_ps(acc[0], acc[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm256_shuffle_ps(acc[0], acc[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
+
+// q . k for kLanes keys at once (rows[j]; C vectors of head dimension): lane j is key j's dot product,
+// a fused multiply-add chain over the head dimension in steps of kLanes, then reduce_batch's tree.
+template <int C>
+inline Vec batch_dots(const Vec* q, const float* const* rows) {
+  Vec acc[kLanes];
+#pragma GCC unroll 16
+  for (int64_t j = 0; j < kLanes; ++j) {
+    Vec a = vfma(q[0], vload(rows[j]), vzero());
+#pragma GCC unroll 16
+    for (int i = 1; i < C; ++i) a = vfma(q[i], vload(rows[j] + i * kLanes), a);
+    acc[j] = a;
+  }
+  return reduce_batch(acc);
+}
+
+
+// One query over its n compacted keys (keys[c]: cache rows of k and v, strides ks and vs); C vectors of
+// head dimension; weights: scratch for at least n + kLanes floats.
+template <int C>
+void attend_row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, const int64_t* keys,
+                int64_t n, double scale, float* weights, float* out) {
+  if (n == 0) {  // a fully masked row (padding): zeros, as SDPA's math gives no meaningful answer
+    std::fill(out, out + C * kLanes, 0.0f);
+    return;
+  }
+  Vec qv[C];
+#pragma GCC unroll 16
+  for (int i = 0; i < C; ++i) qv[i] = vload(q + i * kLanes);
+  // scores in batches of kLanes keys of the compacted sequence; a short last batch repeats its last
+  // key in the spare lanes, which never mix with the others and are then dropped
+  const Vec scale_v = vset1(static_cast<float>(scale));
+  Vec top_v = vset1(-INFINITY);
+  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  for (int64_t c = 0; c < padded; c += kLanes) {
+    const float* rows[kLanes];
+    for (int64_t l = 0; l < kLanes; ++l) rows[l] = k + keys[std::min(c + l, n - 1)] * ks;
+    const Vec scores = vmul(scale_v, batch_dots<C>(qv, rows));
+    vstore(weights + c, scores);
+    top_v = vmax(top_v, scores);  // the repeated key changes no maximum
+  }
+  alignas(64) float lanes[kLanes];
+  vstore(lanes, top_v);
+  const Vec top = vset1(*std::max_element(lanes, lanes + kLanes));
+  Vec total = vzero();
+  for (int64_t c = 0; c < padded; c += kLanes) {
+    Vec e = vexp(vsub(vload(weights + c), top));
+    if (c + kLanes > n) {  // lanes past the last key weigh exactly nothing
+      vstore(lanes, e);
+      for (int64_t l = n - c; l < kLanes; ++l) lanes[l] = 0.0f;
+      e = vload(lanes);
+    }
+    vstore(weights + c, e);
+    total = vadd(total, e);
+  }
+  const Vec inverse = vset1(1.0f / vsum(total));
+  // each output: two chains over the compacted keys in order, the even ones and the odd ones (two
+  // chains run twice as fast as one), added at the end
+  Vec even[C], odd[C];
+#pragma GCC unroll 16
+  for (int i = 0; i < C; ++i) even[i] = odd[i] = vzero();
+  int64_t c = 0;
+  for (; c + 1 < n; c += 2) {
+    const Vec we = vset1(weights[c]), wo = vset1(weights[c + 1]);
+    const float* re = v + keys[c] * vs;
+    const float* ro = v + keys[c + 1] * vs;
+#pragma GCC unroll 16
+    for (int i = 0; i < C; ++i) {
+      even[i] = vfma(we, vload(re + i * kLanes), even[i]);
+      odd[i] = vfma(wo, vload(ro + i * kLanes), odd[i]);
+    }
+  }
+  if (c < n) {
+    const Vec we = vset1(weights[c]);
+    const float* re = v + keys[c] * vs;
+#pragma GCC unroll 16
+    for (int i = 0; i < C; ++i) even[i] = vfma(we, vload(re + i * kLanes), even[i]);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < C; ++i) vstore(out + i * kLanes, vmul(vadd(even[i], odd[i]), inverse));
 }
 
 }  // namespace
@@ -360,57 +482,43 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   const float* mf = masked && m.scalar_type() == torch::kFloat32 ? m.data_ptr<float>() : nullptr;
   const int64_t ms0 = masked ? m.stride(0) : 0, ms1 = masked ? m.stride(1) : 0;
   std::atomic<bool> refused{false};
-  at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<int64_t> keys(S);
-    std::vector<float> weights(S + kLanes);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / H, h = i % H, g = h / group;
-      int64_t n = 0;  // the keys this query sees, in cache order
-      for (int64_t j = 0; j < S; ++j) {
-        bool sees;
-        if (mb) {
-          sees = mb[t * ms0 + j * ms1];
-        } else if (mf) {
-          const float x = mf[t * ms0 + j * ms1];
-          sees = x == 0.0f;
-          if (!sees && !(x < -1e30f)) refused = true;
+  const auto run = [&](auto chunks) {
+    constexpr int C = decltype(chunks)::value;
+    at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<int64_t> keys(S);
+      std::vector<float> weights(S + kLanes);
+      for (int64_t i = i0; i < i1; ++i) {
+        // items grouped by key/value head, so that a thread's keys and values stay in its cache
+        const int64_t g = i / (T * group), t = i % (T * group) / group, h = g * group + i % group;
+        int64_t n = 0;  // the keys this query sees, in cache order
+        if (mb || mf) {
+          for (int64_t j = 0; j < S; ++j) {
+            bool sees;
+            if (mb) {
+              sees = mb[t * ms0 + j * ms1];
+            } else {
+              const float x = mf[t * ms0 + j * ms1];
+              sees = x == 0.0f;
+              if (!sees && !(x < -1e30f)) refused = true;
+            }
+            if (sees) keys[n++] = j;
+          }
         } else {
-          sees = !causal || j <= S - T + t;
+          for (const int64_t last = causal ? S - T + t : S - 1; n <= last; ++n) keys[n] = n;
         }
-        if (sees) keys[n++] = j;
+        attend_row<C>(qp + t * qs0 + h * qs1, kp + g * ks0, ks1, vp + g * vs0, vs1, keys.data(), n, scale,
+                      weights.data(), op + (t * H + h) * D);
       }
-      const float* qrow = qp + t * qs0 + h * qs1;
-      float* orow = op + (t * H + h) * D;
-      if (n == 0) {  // a fully masked row (padding): zeros, as SDPA's math gives no meaningful answer
-        std::fill(orow, orow + D, 0.0f);
-        continue;
-      }
-      float top = -INFINITY;
-      for (int64_t c = 0; c < n; ++c) {
-        weights[c] = static_cast<float>(scale) * dot(qrow, kp + g * ks0 + keys[c] * ks1, D);
-        top = std::max(top, weights[c]);
-      }
-      const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
-      Vec total = vzero();
-      for (int64_t c = 0; c < padded; c += kLanes) {
-        Vec e = vexp(vsub(vload(weights.data() + c), vset1(top)));
-        if (c + kLanes > n) {  // lanes past the last key weigh exactly nothing
-          alignas(64) float lane[kLanes];
-          vstore(lane, e);
-          for (int64_t l = n - c; l < kLanes; ++l) lane[l] = 0.0f;
-          e = vload(lane);
-        }
-        vstore(weights.data() + c, e);
-        total = vadd(total, e);
-      }
-      const Vec inverse = vset1(1.0f / vsum(total));
-      for (int64_t d = 0; d < D; d += kLanes) {
-        Vec acc = vzero();
-        for (int64_t c = 0; c < n; ++c) acc = vfma(vset1(weights[c]), vload(vp + g * vs0 + keys[c] * vs1 + d), acc);
-        vstore(orow + d, vmul(acc, inverse));
-      }
-    }
-  });
+    });
+  };
+  switch (D / kLanes) {
+    case 1: run(std::integral_constant<int, 1>()); break;
+    case 2: run(std::integral_constant<int, 2>()); break;
+    case 4: run(std::integral_constant<int, 4>()); break;
+    case 8: run(std::integral_constant<int, 8>()); break;
+    case 16: run(std::integral_constant<int, 16>()); break;
+    default: TORCH_CHECK(false, "head dimension ", D, " is not ", kLanes, " times 1, 2, 4, 8 or 16");
+  }
   TORCH_CHECK(!refused, "the float mask holds values other than 0 and -inf");
   return out;
 }

@@ -1,4 +1,5 @@
-"""SpecLens's own float32 linear kernel (engine/native_kernels.cpp), compiled for this CPU at first use.
+"""SpecLens's own float32 CPU kernels (engine/native_kernels.cpp), compiled for this CPU at first use:
+a linear layer and attention over the KV cache.
 
 Decoding a small model on a CPU streams every weight from memory once per forward. PyTorch's kernels
 reach only part of the memory bandwidth for one row: on two cores of an AMD EPYC the default model's
@@ -6,16 +7,18 @@ reach only part of the memory bandwidth for one row: on two cores of an AMD EPYC
 `F.linear`, against 13-20 ms here; blocks of 9-13 rows (a draft tree being verified) took 23-32 ms
 here and 26-44 ms on oneDNN (a scratch benchmark of those shapes with cold weights, medians and minima
 over interleaved runs; the machine was shared). Plain and speculative decoding run the same
-kernel, so the baseline gets the speed-up too.
+kernels, so the baseline gets the speed-up too.
 
-The kernel is batch invariant: each output is one FMA chain over the input in a fixed order, so a
-row's result is bit for bit the same alone or inside a block of any size (tests check this).
+Both kernels are batch invariant: each output is one chain of operations in a fixed order over the
+input (for attention, over the keys a query may see, in cache order), so a row's result is bit for
+bit the same alone or inside a block or tree of any size, and with both a whole forward is (tests
+check this). Verification then scores a drafted token with exactly plain decoding's numbers.
 
-It is built with torch.utils.cpp_extension (a C++ compiler and ninja) into the SpecLens cache, keyed
-by the source, the torch build and this CPU, so later starts load it in a second. Where it cannot be
-built (no compiler, another architecture, a CPU without AVX2 and FMA) or fails its self-check,
-SpecLens says why (`speclens doctor`) and uses PyTorch's kernels (engine/cpu_kernels.py).
-SPECLENS_NATIVE_KERNELS=0 turns it off.
+They are built with torch.utils.cpp_extension (a C++ compiler and ninja) into the SpecLens cache,
+keyed by the source, the torch build and this CPU, so later starts load them in a second. Where they
+cannot be built (no compiler, another architecture, a CPU without AVX2 and FMA) or fail their
+self-check, SpecLens says why (`speclens doctor`) and uses PyTorch's kernels (engine/cpu_kernels.py,
+engine/attention.py). SPECLENS_NATIVE_KERNELS=0 turns them off.
 """
 
 from __future__ import annotations

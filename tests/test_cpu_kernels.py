@@ -1,4 +1,5 @@
-"""oneDNN- and MKL-packed CPU linears: the numbers nn.Linear gives and the same greedy outputs for every method."""
+"""oneDNN- and MKL-packed CPU linears (and, for greedy equality, the native kernels): the numbers nn.Linear gives
+and the same greedy outputs for every method."""
 
 import copy
 
@@ -12,9 +13,12 @@ from engine.cpu_kernels import (
     drafter_module,
     is_packed,
     mkl_blocks_work,
+    native_kernel_of,
     pack_model,
     packed_kernels_work,
 )
+from engine.models import _use_cpu_kernels
+from engine.native_kernels import NativeLinear, native_build
 from engine.decode import GenerationConfig, generate
 from engine.drafters.eagle import EagleDrafter, EagleHead
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads
@@ -158,16 +162,23 @@ def test_packed_linear_refuses_to_train():
         PackedLinear(linear.weight, linear.bias)(torch.randn(2, 8, requires_grad=True))
 
 
-@pytest.fixture(scope="module", params=[("packed", "onednn"), ("stock", "onednn"), ("stock", "mkl")])
+@pytest.fixture(scope="module", params=[("packed", "onednn"), ("stock", "onednn"), ("stock", "mkl"), ("native", None)])
 def models(request):
     """(stock model, packed copy); the copy's single rows run on the packed kernel or on F.linear
     (what `auto` picks per shape where stock measures faster), its blocks on oneDNN or MKL, so plain
-    decoding and verification blocks may run on different kernels."""
+    decoding and verification blocks may run on different kernels; or the copy runs on SpecLens's
+    native linears and attention (engine/native_kernels.py)."""
     one_row, blocks = request.param
     if blocks == "mkl" and not mkl_blocks_work():
         pytest.skip("no MKL packed linear in this torch")
     stock = tiny_llama(seed=0)
     packed = copy.deepcopy(stock)
+    if one_row == "native":
+        if native_build().module is None:
+            pytest.skip(f"native kernels unavailable: {native_build().message}")
+        _use_cpu_kernels(packed, "native", torch.float32, lambda *a: None)
+        assert native_kernel_of(packed) is not None and packed.config._attn_implementation == "speclens_native"
+        return stock, packed
     assert pack_model(packed, one_row=one_row, blocks=blocks) and is_packed(packed) and not is_packed(stock)
     assert all(m.mkl_blocks == (blocks == "mkl") for m in packed.modules() if isinstance(m, PackedLinear))
     return stock, packed
@@ -213,8 +224,12 @@ def test_every_head_method_on_a_packed_target_equals_plain_decoding(models):
         assert list(summary.token_ids) == reference, name
         assert summary.drafted > 0, name
     drafter = factories["eagle_tree"](CachedModel(packed))
-    assert any(isinstance(m, PackedLinear) for m in drafter.head.modules())  # drafters follow the target
-    if packed_kernels_work(torch.bfloat16):  # and draft in bfloat16: half the bytes, exactness untouched
-        assert next(drafter.head.parameters()).dtype == torch.bfloat16
+    if native_kernel_of(packed) is not None:  # drafters follow the target, from bfloat16 weights
+        layers = [m for m in drafter.head.modules() if isinstance(m, NativeLinear)]
+        assert layers and all(m.panels.dtype == torch.bfloat16 for m in layers)
+    else:
+        assert any(isinstance(m, PackedLinear) for m in drafter.head.modules())  # drafters follow the target
+        if packed_kernels_work(torch.bfloat16):  # and draft in bfloat16: half the bytes, exactness untouched
+            assert next(drafter.head.parameters()).dtype == torch.bfloat16
     for trainable in (eagle, medusa):  # on copies: the heads passed in keep their nn.Linear layers
-        assert not any(isinstance(m, PackedLinear) for m in trainable.modules())
+        assert not any(isinstance(m, (PackedLinear, NativeLinear)) for m in trainable.modules())

@@ -1,7 +1,8 @@
 """SpecLens's native float32 kernels: a linear layer with the numbers nn.Linear gives and one fixed FMA
 order per output, attention with the numbers softmax attention gives and one fixed order per query (so
 rows are bit for bit the same alone or in a block, and so is a whole model's forward), the fallbacks
-when they cannot be built, and the same greedy outputs for every method on a target that runs them."""
+when they cannot be built, and the logits of a verified block and tree equal to one-token decoding's. (Greedy equality of every
+head method on a native target: tests/test_cpu_kernels.py.)"""
 
 import numpy as np
 import pytest
@@ -10,23 +11,19 @@ import torch
 from engine import native_kernels
 from engine.cache import CachedModel
 from engine.cpu_kernels import drafter_linear, drafter_module, is_packed, native_kernel_of
-from engine.decode import GenerationConfig, generate
-from engine.drafters.eagle import EagleDrafter, EagleHead
-from engine.drafters.medusa import MedusaDrafter, MedusaHeads
-from engine.events import Summary
+from engine.drafters.eagle import EagleHead
 from engine.attention import _native_attention, grouped_query_attention
 from engine.models import LoadOptions, ModelLoadError, _use_cpu_kernels
 from engine.native_kernels import NativeLinear, native_build, use_native_linears
 from engine.selftest import block_invariance_line
 from engine.session import Engine
-from engine.tree import TreeShape, tree_attention
-from tests.tiny import hf_greedy, loaded, tiny_llama, tiny_tokenizer
+from engine.tree import tree_attention
+from tests.tiny import loaded, tiny_llama, tiny_tokenizer
 
 native = native_build().module
 needs_native = pytest.mark.skipif(native is None, reason=f"native kernel unavailable: {native_build().message}")
 
 PROMPT = "one two three four five six one two three four"
-PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 
 @needs_native
@@ -270,45 +267,6 @@ def test_drafters_follow_a_native_target():
     assert not any(isinstance(m, NativeLinear) for m in head.modules())  # the head passed in is untouched
     rows = drafter_linear(model, model.get_output_embeddings().weight[:10], None)
     assert isinstance(rows, NativeLinear) and rows.panels.dtype == torch.bfloat16
-
-
-def _greedy(model, drafter_factory=None, k=4, n=32):
-    target = CachedModel(model)
-    drafter = drafter_factory(target) if drafter_factory else None
-    ids = tiny_tokenizer()(PROMPT)["input_ids"]
-    events = list(generate(target, tiny_tokenizer(), ids, GenerationConfig(method="x", k=k, max_new_tokens=n), drafter))
-    assert isinstance(events[-1], Summary)
-    return events[-1]
-
-
-@needs_native
-def test_every_head_method_on_a_native_target_equals_plain_decoding():
-    stock = tiny_llama(seed=0)
-    model = _native_tiny()
-    n = 32
-    ids = tiny_tokenizer()(PROMPT)["input_ids"]
-    with torch.inference_mode():
-        torch.testing.assert_close(model(torch.tensor([ids])).logits, stock(torch.tensor([ids])).logits,
-                                   atol=1e-4, rtol=1e-4)
-    reference = hf_greedy(stock, ids, n)
-    assert list(_greedy(model, n=n).token_ids) == reference
-    torch.manual_seed(4)
-    eagle = EagleHead.for_target(model.config)
-    medusa = MedusaHeads(model.config.hidden_size, model.config.vocab_size, num_heads=3)
-    with torch.no_grad():
-        for p in [*eagle.parameters(), *medusa.parameters()]:
-            if p.dim() > 1:
-                p.normal_(0, 0.3)
-    eagle.draft_vocab = torch.arange(0, model.config.vocab_size, 2)
-    factories = {
-        "eagle_tree": lambda t: EagleDrafter(eagle, t, None, top_k=3, budget=10),
-        "eagle_chain": lambda t: EagleDrafter(eagle, t, TreeShape.from_paths([[0], [0, 0], [0, 0, 0]])),
-        "medusa": lambda t: MedusaDrafter(medusa, t, TreeShape.from_paths(PATHS)),
-    }
-    for name, factory in factories.items():
-        summary = _greedy(model, factory, n=n)
-        assert list(summary.token_ids) == reference, name
-        assert summary.drafted > 0, name
 
 
 def test_an_installation_without_the_source_says_so(monkeypatch, tmp_path):

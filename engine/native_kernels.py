@@ -126,8 +126,9 @@ def native_build() -> NativeBuild:
 
 
 def self_check(module) -> str | None:
-    """Compare the kernel with F.linear on shapes that cover every tile and tail, with float32 and
-    bfloat16 panels; None if it agrees and each row of a block equals the row computed alone, bit for bit."""
+    """Compare the linear kernel with F.linear on shapes that cover every tile and tail, with float32 and
+    bfloat16 panels, and the attention kernel with softmax attention; None if they agree and each row
+    of a block equals the row computed alone, bit for bit; else what went wrong."""
     generator = torch.Generator().manual_seed(0)
     for out_features, in_features, bias in ((48, 32, False), (200, 96, True), (64, 576, False)):
         weight = torch.randn(out_features, in_features, generator=generator)  # [N, K]
@@ -144,6 +145,25 @@ def self_check(module) -> str | None:
                 alone = torch.cat([module.linear(x[i : i + 1], panels, b, out_features) for i in range(rows)])
                 if not torch.equal(got, alone):
                     return f"a block of {rows} rows differs from its rows computed one at a time"
+    return _attention_problem(module, generator)
+
+
+def _attention_problem(module, generator: torch.Generator) -> str | None:
+    """The attention kernel against float64 softmax attention, with a mask that skips keys between
+    the ones a query sees; and each query of the block against itself alone over just its keys."""
+    q = torch.randn(5, 6, 64, generator=generator)  # [T, H, D]: 6 query heads over 2 key/value heads
+    k, v = torch.randn(2, 2, 37, 64, generator=generator)  # [G, S, D] each
+    allowed = torch.rand(5, 37, generator=generator) < 0.7  # [T, S]
+    allowed[:, 0] = True
+    got = module.attention(q, k, v, allowed, 0.125, True)  # [T, H, D]
+    for t in range(5):
+        keys = torch.nonzero(allowed[t])[:, 0]
+        for h in range(6):
+            weights = (q[t, h].double() @ k[h // 3, keys].double().T * 0.125).softmax(-1)
+            if (got[t, h].double() - weights @ v[h // 3, keys].double()).abs().max().item() > 1e-5:
+                return "attention differs from softmax attention"
+        if not torch.equal(got[t], module.attention(q[t : t + 1], k[:, keys], v[:, keys], None, 0.125, True)[0]):
+            return "a masked query's attention differs from the same query over just its keys"
     return None
 
 

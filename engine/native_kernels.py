@@ -170,7 +170,7 @@ def _attention_problem(module, generator: torch.Generator) -> str | None:
 def native_module(progress: Callable[[str, float | None], None] | None = None):
     """The loaded extension, or None; reports a first build (tens of seconds) through `progress`."""
     if progress is not None and native_build.cache_info().currsize == 0 and not unsupported_reason() and not is_built():
-        progress("Compiling SpecLens's CPU kernel for this machine (once, about a minute)", None)
+        progress("Compiling SpecLens's CPU kernels for this machine (once, about a minute)", None)
     return native_build().module
 
 

@@ -76,8 +76,17 @@ def _native_attention(module, query, key, value, attention_mask, dropout=0.0, sc
 
 def use_native_attention(model: nn.Module) -> bool:
     """Switch a loaded HF model (on "sdpa" or grouped attention) to the native attention kernel; True
-    if switched."""
+    if switched. Models whose head size is not a multiple of 16 floats (the kernel's vector width)
+    stay where they are."""
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if head_dim % 16:
+        return False
     return _switch(model, NATIVE_ATTENTION_NAME, _native_attention, (ATTENTION_NAME, "sdpa"))
+
+
+def is_native_attention(model: nn.Module) -> bool:
+    return getattr(model.config, "_attn_implementation", None) == NATIVE_ATTENTION_NAME
 
 
 def use_grouped_attention(model: nn.Module) -> bool:

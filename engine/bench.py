@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import NATIVE_ATTENTION_NAME
+from engine.attention import is_native_attention
 from engine.cpu_kernels import PackedLinear, is_packed, native_kernel_of, one_token_seconds
 from engine.decode import GenerationConfig
 from engine.events import StepEvent, Summary
@@ -409,7 +409,7 @@ def describe_target(engine) -> str:
     """Device, dtype and (on CPU) which linear kernels the target runs."""
     kernels = ""
     if native_kernel_of(engine.target.model) is not None:
-        attention = engine.target.model.config._attn_implementation == NATIVE_ATTENTION_NAME
+        attention = is_native_attention(engine.target.model)
         kernels = (f", SpecLens's native linears{' and attention' if attention else ''} "
                    f"({native_kernel_of(engine.target.model).isa()})")
     elif is_packed(engine.target.model):

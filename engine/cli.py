@@ -30,9 +30,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload", action="store_true",
                         help="spread a target too large for the GPU over GPU and CPU memory (accelerate device_map=auto)")
     parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "native", "packed", "stock"],
-                        help="on CPU: auto runs float32 models on SpecLens's native kernel (compiled for this CPU at "
+                        help="on CPU: auto runs float32 models on SpecLens's native kernels (compiled for this CPU at "
                              "first use), else packs linear weights for oneDNN and picks one-token and block kernels by "
-                             "measurement; native insists on the native kernel; packed uses oneDNN for every block; "
+                             "measurement; native insists on the native kernels; packed uses oneDNN for every block; "
                              "stock keeps nn.Linear")
     parser.add_argument("--tree-budget", type=int, default=None, metavar="N",
                         help="draft-tree nodes for the EAGLE and Medusa methods (default: 4 on CPU, 32 on GPU)")

@@ -153,8 +153,9 @@ def run_selftest(
 
 def block_invariance_line(engine, prompt: list[int], block: list[int]) -> tuple[str, bool]:
     """Score `block` after `prompt` in one target forward (as verification does) and one token at a time
-    (as plain decoding does). On SpecLens's native kernels the logits must agree bit for bit (a FAIL
-    otherwise); on PyTorch's kernels they differ by rounding, reported for information."""
+    (as plain decoding does). With SpecLens's native linears and attention the logits must agree bit
+    for bit (a FAIL otherwise); on PyTorch's kernels they differ by rounding, reported for information."""
+    from engine.attention import is_native_attention
     from engine.cache import CachedModel
     from engine.cpu_kernels import native_kernel_of
 
@@ -166,7 +167,7 @@ def block_invariance_line(engine, prompt: list[int], block: list[int]) -> tuple[
     decoded.prefill(prompt)
     alone = torch.stack([decoded.forward(prompt + block[:i], [], 1)[0] for i in range(len(block) + 1)])
     worst = (together - alone).abs().max().item()
-    if native_kernel_of(target.model) is not None:
+    if native_kernel_of(target.model) is not None and is_native_attention(target.model):
         ok = torch.equal(together, alone)
         verdict = "bit for bit" if ok else f"differ by up to {worst:.2e}"
         return (f"{'PASS' if ok else 'FAIL'} block invariance on SpecLens's native kernels: a {len(block) + 1}-token "

@@ -12,7 +12,7 @@ from engine import native_kernels
 from engine.cache import CachedModel
 from engine.cpu_kernels import drafter_linear, drafter_module, is_packed, native_kernel_of
 from engine.drafters.eagle import EagleHead
-from engine.attention import _native_attention, grouped_query_attention
+from engine.attention import NATIVE_ATTENTION_NAME, _attention, _native_attention, grouped_query_attention
 from engine.models import LoadOptions, ModelLoadError, _use_cpu_kernels
 from engine.native_kernels import NativeLinear, native_build, use_native_linears
 from engine.selftest import block_invariance_line
@@ -285,7 +285,22 @@ def test_the_selftest_checks_block_invariance_and_fails_without_it():
     exact = Engine(loaded(_native_tiny(), "tiny-native"))
     line, ok = block_invariance_line(exact, prompt, prompt[:6])
     assert ok and line.startswith("PASS block invariance") and "bit for bit" in line
-    # the check has teeth: PyTorch's SDPA in place of the native attention breaks bit-for-bit equality
-    exact.target.model.set_attn_implementation("sdpa")
-    line, ok = block_invariance_line(exact, prompt, prompt[:6])
+    # the check has teeth: PyTorch's SDPA behind the native attention's name breaks bit-for-bit equality
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NATIVE_ATTENTION_NAME, _attention)
+    try:
+        line, ok = block_invariance_line(exact, prompt, prompt[:6])
+    finally:
+        AttentionInterface.register(NATIVE_ATTENTION_NAME, _native_attention)
     assert not ok and line.startswith("FAIL block invariance"), line
+
+
+@needs_native
+def test_a_head_size_the_attention_kernel_cannot_take_keeps_sdpa_and_the_selftest_does_not_fail():
+    model = tiny_llama(seed=0, hidden=40)  # 4 heads of 10: not a multiple of the vector width
+    _use_cpu_kernels(model, "native", torch.float32, lambda *a: None)
+    assert native_kernel_of(model) is not None and model.config._attn_implementation != NATIVE_ATTENTION_NAME
+    prompt = tiny_tokenizer()(PROMPT)["input_ids"]
+    line, ok = block_invariance_line(Engine(loaded(model, "tiny-40")), prompt, prompt[:6])
+    assert ok and line.startswith("INFO block invariance")

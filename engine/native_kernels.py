@@ -23,6 +23,7 @@ engine/attention.py). SPECLENS_NATIVE_KERNELS=0 turns them off.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -114,8 +115,14 @@ def native_build() -> NativeBuild:
         _find_ninja()
         folder = build_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        module = load(build_name(), [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-                      build_directory=str(folder), verbose=False)
+        with open(folder / "speclens.lock", "w") as guard:
+            # torch's builder waits, forever, for its `lock` file to go; a build that was killed (the
+            # app closed during its first start) leaves one behind. An flock dies with its process, so
+            # once this one is ours, no live build is running and a `lock` file left here is stale.
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (folder / "lock").unlink(missing_ok=True)
+            module = load(build_name(), [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                          build_directory=str(folder), verbose=False)
     except Exception as exc:  # noqa: BLE001 - compilers fail in many ways; the app must go on without
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         return NativeBuild(None, f"could not be built here ({first}); PyTorch's kernels are used")

@@ -4,6 +4,10 @@ rows are bit for bit the same alone or in a block, and so is a whole model's for
 when they cannot be built, and the logits of a verified block and tree equal to one-token decoding's. (Greedy equality of every
 head method on a native target: tests/test_cpu_kernels.py.)"""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -304,3 +308,14 @@ def test_a_head_size_the_attention_kernel_cannot_take_keeps_sdpa_and_the_selftes
     prompt = tiny_tokenizer()(PROMPT)["input_ids"]
     line, ok = block_invariance_line(Engine(loaded(model, "tiny-40")), prompt, prompt[:6])
     assert ok and line.startswith("INFO block invariance")
+
+
+@needs_native
+def test_a_build_killed_midway_does_not_hang_the_next_start():
+    """torch's builder waits for its `lock` file to disappear; one left by a killed build is removed."""
+    (native_kernels.build_dir() / "lock").touch()
+    script = "from engine.native_kernels import native_build; print(native_build().module is not None)"
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert run.stdout.strip() == "True", run.stdout + run.stderr
+    assert not (native_kernels.build_dir() / "lock").exists()

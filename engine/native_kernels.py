@@ -110,26 +110,46 @@ def native_build() -> NativeBuild:
     if reason:
         return NativeBuild(None, reason)
     try:
-        from torch.utils.cpp_extension import load
-
         _find_ninja()
         folder = build_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / "speclens.lock", "w") as guard:
+        with open(folder.with_suffix(".lock"), "w") as guard:
             # torch's builder waits, forever, for its `lock` file to go; a build that was killed (the
             # app closed during its first start) leaves one behind. An flock dies with its process, so
             # once this one is ours, no live build is running and a `lock` file left here is stale.
             fcntl.flock(guard, fcntl.LOCK_EX)
             (folder / "lock").unlink(missing_ok=True)
-            module = load(build_name(), [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-                          build_directory=str(folder), verbose=False)
+            try:
+                module = _load(folder)
+            except Exception:  # noqa: BLE001 - a damaged build (a truncated library) is redone once
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir(parents=True)
+                module = _load(folder)
     except Exception as exc:  # noqa: BLE001 - compilers fail in many ways; the app must go on without
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         return NativeBuild(None, f"could not be built here ({first}); PyTorch's kernels are used")
+    _remove_older_builds(folder)
     problem = self_check(module)
     if problem:
         return NativeBuild(None, f"failed its self-check ({problem}); PyTorch's kernels are used")
     return NativeBuild(module, f"{module.isa()} float32 linear and attention, built for this CPU in {build_dir()}")
+
+
+def _remove_older_builds(current: Path) -> None:
+    """Builds for an earlier source, torch or CPU (a few MB each) are left by upgrades: drop them."""
+    for other in current.parent.glob("speclens_native_*"):
+        if other.name not in (current.name, current.name + ".lock"):
+            if other.is_dir():
+                shutil.rmtree(other, ignore_errors=True)
+            else:
+                other.unlink(missing_ok=True)
+
+
+def _load(folder: Path):
+    from torch.utils.cpp_extension import load
+
+    return load(build_name(), [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                build_directory=str(folder), verbose=False)
 
 
 def self_check(module) -> str | None:

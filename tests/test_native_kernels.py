@@ -113,12 +113,13 @@ def test_native_linear_refuses_to_train_and_keeps_the_weight_only_when_asked():
     assert NativeLinear(native, linear.weight, None, keep_weight=True).weight is linear.weight
 
 
-def test_a_kernel_that_cannot_be_built_leaves_pytorchs_kernels(monkeypatch):
+def test_a_kernel_that_cannot_be_built_leaves_pytorchs_kernels(monkeypatch, tmp_path):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Error building extension: c++: command not found")
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
     monkeypatch.setattr(native_kernels, "unsupported_reason", lambda: None)
+    monkeypatch.setattr(native_kernels, "build_dir", lambda: tmp_path / "build")  # not the real build
     native_build.cache_clear()
     try:
         build = native_build()
@@ -311,6 +312,28 @@ def test_a_head_size_the_attention_kernel_cannot_take_keeps_sdpa_and_the_selftes
 
 
 @needs_native
+def test_a_damaged_build_is_redone_once(monkeypatch, tmp_path):
+    folder = tmp_path / "build"
+    calls = []
+
+    def load_once_damaged(where):
+        calls.append(sorted(p.name for p in where.iterdir()))
+        if len(calls) == 1:
+            (where / "truncated.so").write_bytes(b"\x7fELF")
+            raise ImportError("truncated.so: file too short")
+        return native
+
+    monkeypatch.setattr(native_kernels, "build_dir", lambda: folder)
+    monkeypatch.setattr(native_kernels, "_load", load_once_damaged)
+    native_build.cache_clear()
+    try:
+        assert native_build().module is native
+        assert calls == [[], []]  # the second attempt started from an empty folder
+    finally:
+        native_build.cache_clear()
+
+
+@needs_native
 def test_a_build_killed_midway_does_not_hang_the_next_start():
     """torch's builder waits for its `lock` file to disappear; one left by a killed build is removed."""
     (native_kernels.build_dir() / "lock").touch()
@@ -319,3 +342,19 @@ def test_a_build_killed_midway_does_not_hang_the_next_start():
                          cwd=Path(__file__).resolve().parents[1])
     assert run.stdout.strip() == "True", run.stdout + run.stderr
     assert not (native_kernels.build_dir() / "lock").exists()
+
+
+@needs_native
+def test_builds_for_an_older_source_are_removed(monkeypatch, tmp_path):
+    folder, old = tmp_path / "speclens_native_new", tmp_path / "speclens_native_old"
+    (old / "sub").mkdir(parents=True)
+    (tmp_path / "speclens_native_old.lock").touch()
+    (tmp_path / "unrelated").mkdir()
+    monkeypatch.setattr(native_kernels, "build_dir", lambda: folder)
+    monkeypatch.setattr(native_kernels, "_load", lambda where: native)
+    native_build.cache_clear()
+    try:
+        assert native_build().module is native
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["speclens_native_new", "speclens_native_new.lock", "unrelated"]
+    finally:
+        native_build.cache_clear()

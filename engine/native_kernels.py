@@ -23,7 +23,6 @@ engine/attention.py). SPECLENS_NATIVE_KERNELS=0 turns them off.
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import os
@@ -110,6 +109,8 @@ def native_build() -> NativeBuild:
     if reason:
         return NativeBuild(None, reason)
     try:
+        import fcntl  # POSIX only, as the kernels are (unsupported_reason)
+
         _find_ninja()
         folder = build_dir()
         folder.mkdir(parents=True, exist_ok=True)

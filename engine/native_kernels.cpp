@@ -40,6 +40,8 @@ namespace {
 constexpr int64_t kPanel = 16;  // output columns per panel: one 64-byte line of weights per k
 constexpr int64_t kGroup = 64;  // output columns per work item handed to a thread
 constexpr int64_t kPrefetch = 32;  // k steps ahead to prefetch each panel stream (2 KB)
+constexpr int64_t kMaxHeads = 8;  // attention: query heads of one key/value group handled together
+constexpr int64_t kSpan = 32;  // attention: keys whose value rows every head of a group takes in turn
 
 #if defined(__AVX512F__)
 
@@ -322,69 +324,95 @@ inline Vec batch_dots(const Vec* q, const float* const* rows) {
 }
 
 
-// One query over its n compacted keys (keys[c]: cache rows of k and v, strides ks and vs); C vectors of
-// head dimension; weights: scratch for at least n + kLanes floats.
+// R query heads of one key/value group at one query position, over their n compacted keys (keys[c]: cache
+// rows of k and v, strides ks and vs); C vectors of head dimension. q: head r at q + r * qs; out: head r
+// at out + r * C * kLanes; weights: scratch for R * (n + kLanes) floats. The heads share every key and
+// value row they load, while each head's arithmetic is what it would be alone: the same batches of
+// compacted keys, the same chains in the same order.
 template <int C>
-void attend_row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, const int64_t* keys,
-                int64_t n, double scale, float* weights, float* out) {
+void attend_rows(const float* q, int64_t qs, int64_t R, const float* k, int64_t ks, const float* v, int64_t vs,
+                 const int64_t* keys, int64_t n, double scale, float* weights, float* out) {
   if (n == 0) {  // a fully masked row (padding): zeros, as SDPA's math gives no meaningful answer
-    std::fill(out, out + C * kLanes, 0.0f);
+    std::fill(out, out + R * C * kLanes, 0.0f);
     return;
   }
-  Vec qv[C];
-#pragma GCC unroll 16
-  for (int i = 0; i < C; ++i) qv[i] = vload(q + i * kLanes);
+  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
   // scores in batches of kLanes keys of the compacted sequence; a short last batch repeats its last
   // key in the spare lanes, which never mix with the others and are then dropped
   const Vec scale_v = vset1(static_cast<float>(scale));
-  Vec top_v = vset1(-INFINITY);
-  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  Vec top_v[kMaxHeads];
+  for (int64_t r = 0; r < R; ++r) top_v[r] = vset1(-INFINITY);
   for (int64_t c = 0; c < padded; c += kLanes) {
     const float* rows[kLanes];
     for (int64_t l = 0; l < kLanes; ++l) rows[l] = k + keys[std::min(c + l, n - 1)] * ks;
-    const Vec scores = vmul(scale_v, batch_dots<C>(qv, rows));
-    vstore(weights + c, scores);
-    top_v = vmax(top_v, scores);  // the repeated key changes no maximum
+    for (int64_t r = 0; r < R; ++r) {
+      Vec qv[C];
+#pragma GCC unroll 16
+      for (int i = 0; i < C; ++i) qv[i] = vload(q + r * qs + i * kLanes);
+      const Vec scores = vmul(scale_v, batch_dots<C>(qv, rows));
+      vstore(weights + r * padded + c, scores);
+      top_v[r] = vmax(top_v[r], scores);  // the repeated key changes no maximum
+    }
   }
   alignas(64) float lanes[kLanes];
-  vstore(lanes, top_v);
-  const Vec top = vset1(*std::max_element(lanes, lanes + kLanes));
-  Vec total = vzero();
-  for (int64_t c = 0; c < padded; c += kLanes) {
-    Vec e = vexp(vsub(vload(weights + c), top));
-    if (c + kLanes > n) {  // lanes past the last key weigh exactly nothing
-      vstore(lanes, e);
-      for (int64_t l = n - c; l < kLanes; ++l) lanes[l] = 0.0f;
-      e = vload(lanes);
+  Vec inverse[kMaxHeads];
+  for (int64_t r = 0; r < R; ++r) {
+    float* w = weights + r * padded;
+    vstore(lanes, top_v[r]);
+    const Vec top = vset1(*std::max_element(lanes, lanes + kLanes));
+    Vec total = vzero();
+    for (int64_t c = 0; c < padded; c += kLanes) {
+      Vec e = vexp(vsub(vload(w + c), top));
+      if (c + kLanes > n) {  // lanes past the last key weigh exactly nothing
+        vstore(lanes, e);
+        for (int64_t l = n - c; l < kLanes; ++l) lanes[l] = 0.0f;
+        e = vload(lanes);
+      }
+      vstore(w + c, e);
+      total = vadd(total, e);
     }
-    vstore(weights + c, e);
-    total = vadd(total, e);
+    inverse[r] = vset1(1.0f / vsum(total));
   }
-  const Vec inverse = vset1(1.0f / vsum(total));
   // each output: two chains over the compacted keys in order, the even ones and the odd ones (two
-  // chains run twice as fast as one), added at the end
-  Vec even[C], odd[C];
+  // chains run twice as fast as one), added at the end. Keys go in spans of kSpan (even, so a pair
+  // never straddles two spans) whose value rows stay in L1 while every head takes them; a head's
+  // chains wait in `chains` between spans, which leaves their arithmetic untouched.
+  Vec chains[kMaxHeads][2][C];
+  for (int64_t r = 0; r < R; ++r)
 #pragma GCC unroll 16
-  for (int i = 0; i < C; ++i) even[i] = odd[i] = vzero();
-  int64_t c = 0;
-  for (; c + 1 < n; c += 2) {
-    const Vec we = vset1(weights[c]), wo = vset1(weights[c + 1]);
-    const float* re = v + keys[c] * vs;
-    const float* ro = v + keys[c + 1] * vs;
+    for (int i = 0; i < C; ++i) chains[r][0][i] = chains[r][1][i] = vzero();
+  for (int64_t c0 = 0; c0 < n; c0 += kSpan) {
+    const int64_t c1 = std::min(n, c0 + kSpan);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* w = weights + r * padded;
+      Vec even[C], odd[C];
 #pragma GCC unroll 16
-    for (int i = 0; i < C; ++i) {
-      even[i] = vfma(we, vload(re + i * kLanes), even[i]);
-      odd[i] = vfma(wo, vload(ro + i * kLanes), odd[i]);
+      for (int i = 0; i < C; ++i) even[i] = chains[r][0][i], odd[i] = chains[r][1][i];
+      int64_t c = c0;
+      for (; c + 1 < c1; c += 2) {
+        const Vec we = vset1(w[c]), wo = vset1(w[c + 1]);
+        const float* re = v + keys[c] * vs;
+        const float* ro = v + keys[c + 1] * vs;
+#pragma GCC unroll 16
+        for (int i = 0; i < C; ++i) {
+          even[i] = vfma(we, vload(re + i * kLanes), even[i]);
+          odd[i] = vfma(wo, vload(ro + i * kLanes), odd[i]);
+        }
+      }
+      if (c < c1) {  // only at the very end (spans are even): the odd last key joins the even chain
+        const Vec we = vset1(w[c]);
+        const float* re = v + keys[c] * vs;
+#pragma GCC unroll 16
+        for (int i = 0; i < C; ++i) even[i] = vfma(we, vload(re + i * kLanes), even[i]);
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < C; ++i) chains[r][0][i] = even[i], chains[r][1][i] = odd[i];
     }
   }
-  if (c < n) {
-    const Vec we = vset1(weights[c]);
-    const float* re = v + keys[c] * vs;
+  for (int64_t r = 0; r < R; ++r)
 #pragma GCC unroll 16
-    for (int i = 0; i < C; ++i) even[i] = vfma(we, vload(re + i * kLanes), even[i]);
-  }
-#pragma GCC unroll 16
-  for (int i = 0; i < C; ++i) vstore(out + i * kLanes, vmul(vadd(even[i], odd[i]), inverse));
+    for (int i = 0; i < C; ++i)
+      vstore(out + r * C * kLanes + i * kLanes, vmul(vadd(chains[r][0][i], chains[r][1][i]), inverse[r]));
 }
 
 }  // namespace
@@ -482,14 +510,19 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   const float* mf = masked && m.scalar_type() == torch::kFloat32 ? m.data_ptr<float>() : nullptr;
   const int64_t ms0 = masked ? m.stride(0) : 0, ms1 = masked ? m.stride(1) : 0;
   std::atomic<bool> refused{false};
+  // A work item is one query position and `chunk` heads of one key/value group, which share the key and
+  // value rows they load and the mask's compaction. One-token decoding spreads single heads over the
+  // threads instead. Either way every head's arithmetic is the same.
+  const int64_t chunk = T >= 4 && group <= kMaxHeads ? group : 1, per_group = group / chunk;
   const auto run = [&](auto chunks) {
     constexpr int C = decltype(chunks)::value;
-    at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {
+    at::parallel_for(0, G * T * per_group, 1, [&](int64_t i0, int64_t i1) {
       std::vector<int64_t> keys(S);
-      std::vector<float> weights(S + kLanes);
+      std::vector<float> weights(chunk * (S + kLanes));
       for (int64_t i = i0; i < i1; ++i) {
         // items grouped by key/value head, so that a thread's keys and values stay in its cache
-        const int64_t g = i / (T * group), t = i % (T * group) / group, h = g * group + i % group;
+        const int64_t g = i / (T * per_group), t = i % (T * per_group) / per_group,
+                      h = g * group + i % per_group * chunk;
         int64_t n = 0;  // the keys this query sees, in cache order
         if (mb || mf) {
           for (int64_t j = 0; j < S; ++j) {
@@ -506,8 +539,8 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
         } else {
           for (const int64_t last = causal ? S - T + t : S - 1; n <= last; ++n) keys[n] = n;
         }
-        attend_row<C>(qp + t * qs0 + h * qs1, kp + g * ks0, ks1, vp + g * vs0, vs1, keys.data(), n, scale,
-                      weights.data(), op + (t * H + h) * D);
+        attend_rows<C>(qp + t * qs0 + h * qs1, qs1, chunk, kp + g * ks0, ks1, vp + g * vs0, vs1, keys.data(), n,
+                       scale, weights.data(), op + (t * H + h) * D);
       }
     });
   };

@@ -12,6 +12,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from engine.lean_forward import lean_forward_for
+
 
 class AppendLayer(DynamicLayer):
     """A DynamicLayer that writes new keys and values into spare capacity.
@@ -72,6 +74,8 @@ class CachedModel:
         self.keep_hidden = False
         self.hidden: torch.Tensor | None = None
         self.hidden_start = self.hidden_end = 0
+        # HF's decoder math without most of its Python, where the model runs on the native kernels
+        self.lean = lean_forward_for(model)
 
     def reset(self) -> None:
         self.cached_ids = []
@@ -110,17 +114,22 @@ class CachedModel:
         self.truncate(keep)
         new = ids[keep:]
         input_ids = torch.tensor([new], dtype=torch.long, device=self.device)
-        out = self.model(
-            input_ids=input_ids,
-            cache=self._cache,
-            use_cache=True,
-            logits_to_keep=n_logits,
-            output_hidden_states=self.keep_hidden,
-        )
+        if self.lean is not None:
+            logits, hidden = self.lean(input_ids[0], torch.arange(keep, len(ids)), None, self._cache, n_logits,
+                                       self.keep_hidden)
+        else:
+            out = self.model(
+                input_ids=input_ids,
+                cache=self._cache,
+                use_cache=True,
+                logits_to_keep=n_logits,
+                output_hidden_states=self.keep_hidden,
+            )
+            logits, hidden = out.logits[0, -n_logits:], out.hidden_states[-1][0] if self.keep_hidden else None
         if self.keep_hidden:
-            self.hidden, self.hidden_start, self.hidden_end = out.hidden_states[-1][0], keep, len(ids)
+            self.hidden, self.hidden_start, self.hidden_end = hidden, keep, len(ids)
         self.cached_ids.extend(new)
-        return out.logits[0, -n_logits:, : self.n_vocab]
+        return logits[:, : self.n_vocab]
 
     @torch.inference_mode()
     def forward_tree(self, context: list[int], tree_tokens: list[int], parents: list[int]) -> torch.Tensor:
@@ -143,23 +152,28 @@ class CachedModel:
         allowed[:, : keep + n_lin] = True
         allowed[:n_lin, keep : keep + n_lin] = torch.ones(n_lin, n_lin, dtype=torch.bool).tril()
         allowed[n_lin:, keep + n_lin :] = tree_attention(parents)
-        dtype = next(self.model.parameters()).dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
         depths = torch.tensor(node_depths(parents))
         position_ids = torch.cat([torch.arange(keep, keep + n_lin), keep + n_lin + depths])  # [Q]
-        out = self.model(
-            input_ids=torch.tensor([linear + tree_tokens], dtype=torch.long, device=self.device),
-            attention_mask=mask[None, None].to(self.device),  # [1, 1, Q, KV] additive
-            position_ids=position_ids[None].to(self.device),
-            cache=self._cache,
-            use_cache=True,
-            logits_to_keep=n_tree,
-            output_hidden_states=self.keep_hidden,
-        )
+        input_ids = torch.tensor(linear + tree_tokens, dtype=torch.long, device=self.device)  # [Q]
+        if self.lean is not None:
+            logits, hidden = self.lean(input_ids, position_ids, allowed, self._cache, n_tree, self.keep_hidden)
+        else:
+            dtype = next(self.model.parameters()).dtype
+            mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+            out = self.model(
+                input_ids=input_ids[None],
+                attention_mask=mask[None, None].to(self.device),  # [1, 1, Q, KV] additive
+                position_ids=position_ids[None].to(self.device),
+                cache=self._cache,
+                use_cache=True,
+                logits_to_keep=n_tree,
+                output_hidden_states=self.keep_hidden,
+            )
+            logits, hidden = out.logits[0, -n_tree:], out.hidden_states[-1][0] if self.keep_hidden else None
         if self.keep_hidden:  # rows: the linear part, then one per tree node (only the root is linear)
-            self.hidden, self.hidden_start, self.hidden_end = out.hidden_states[-1][0], keep, len(context)
+            self.hidden, self.hidden_start, self.hidden_end = hidden, keep, len(context)
         self.cached_ids.extend(linear + tree_tokens[:1] + [TREE_SLOT] * (n_tree - 1))
-        return out.logits[0, -n_tree:, : self.n_vocab]
+        return logits[:, : self.n_vocab]
 
     @torch.inference_mode()
     def keep_tree_path(self, tree_tokens: list[int], path: list[int]) -> None:
@@ -168,7 +182,7 @@ class CachedModel:
         root = self._tree_root()
         if any(not 0 < node < len(self.cached_ids) - root for node in path):
             raise ValueError(f"path {path} is not inside the cached tree")
-        if path:
+        if path != list(range(1, len(path) + 1)):  # a path along the first nodes is in place already
             src = torch.tensor([root + node for node in path], device=self.device)
             dst = torch.arange(root + 1, root + 1 + len(path), device=self.device)
             for layer in self._cache.layers:

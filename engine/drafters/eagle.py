@@ -26,6 +26,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from engine.attention import grouped_query_attention
 from engine.cache import AppendLayer, CachedModel, common_prefix
 from engine.cpu_kernels import drafter_linear, drafter_module
+from engine.native_kernels import NativeLinear
 from engine.sampling import SamplingParams, process_logits
 from engine.tree import DraftModelTreeDrafter, DraftTree, TreeShape, ancestor_path, node_depths, tree_attention
 
@@ -78,7 +79,11 @@ class EagleHead(nn.Module):
         k, v = k[None], v[None]  # [1, kv heads, T, D]
         if cache is not None:
             k, v = cache.update(k, v)  # [1, kv heads, P + T, D]
-        out = grouped_query_attention(q[None], k, v, mask.to(x.device)[None, None])[0]  # [heads, T, D]
+        if isinstance(attention.q_proj, NativeLinear):  # on the native kernels: their attention as well
+            out = attention.q_proj.kernel.attention(q.transpose(0, 1), k[0], v[0], mask.to(x.device), attention.scaling,
+                                                    True).transpose(0, 1)  # [heads, T, D]
+        else:
+            out = grouped_query_attention(q[None], k, v, mask.to(x.device)[None, None])[0]  # [heads, T, D]
         x = x + attention.o_proj(out.transpose(0, 1).reshape(n, -1))  # [T, H]
         return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
 

@@ -1,0 +1,105 @@
+"""The lean Llama forward (engine/lean_forward.py): bit for bit HF's forward on the same native kernels,
+for prefill, blocks, trees and hidden states; used only where it applies; and the EAGLE head's
+native attention path. (Greedy equality of every method on a native target, which now runs through the
+lean forward: tests/test_cpu_kernels.py.)"""
+
+import copy
+
+import pytest
+import torch
+
+from engine.cache import AppendLayer, CachedModel
+from engine.lean_forward import lean_forward_for
+from engine.models import _use_cpu_kernels
+from engine.native_kernels import native_build, use_native_linears
+from tests.tiny import tiny_llama, tiny_tokenizer
+
+native = native_build().module
+needs_native = pytest.mark.skipif(native is None, reason=f"native kernel unavailable: {native_build().message}")
+
+PROMPT = "one two three four five six one two three four"
+
+
+def _native_tiny(seed=0):
+    model = tiny_llama(seed=seed, layers=3)
+    _use_cpu_kernels(model, "native", torch.float32, lambda *a: None)
+    return model
+
+
+def _pair(model):
+    """The same model through the lean forward and through HF's, both keeping hidden states."""
+    lean, hf = CachedModel(model), CachedModel(model)
+    assert lean.lean is not None
+    hf.lean = None
+    lean.keep_hidden = hf.keep_hidden = True
+    return lean, hf
+
+
+@needs_native
+def test_lean_forward_is_hfs_forward_bit_for_bit():
+    model = _native_tiny()
+    ids = tiny_tokenizer()(PROMPT)["input_ids"]
+    lean, hf = _pair(model)
+    calls = [
+        lambda m: m.forward(ids, [], 2),  # prefill, the last two rows' logits
+        lambda m: m.forward(ids, ids[:4], 5),  # a verification block
+        lambda m: m.forward(ids + ids[:2], [], 1),  # a rollback, then one token
+        lambda m: m.forward_tree(ids, [ids[-1], ids[0], ids[1], ids[2], ids[3]], [-1, 0, 0, 1, 3]),  # a tree
+    ]
+    for call in calls:
+        want = call(hf)
+        got = call(lean)
+        assert torch.equal(got, want)
+        assert torch.equal(lean.hidden, hf.hidden)
+        assert (lean.hidden_start, lean.hidden_end) == (hf.hidden_start, hf.hidden_end)
+        assert lean.cached_ids == hf.cached_ids
+        for a, b in zip(lean._cache.layers, hf._cache.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    lean.keep_tree_path([ids[-1], ids[0], ids[1], ids[2], ids[3]], [2, 3])
+    hf.keep_tree_path([ids[-1], ids[0], ids[1], ids[2], ids[3]], [2, 3])
+    assert torch.equal(lean.forward(lean.cached_ids + [ids[5]], [], 1), hf.forward(hf.cached_ids + [ids[5]], [], 1))
+
+
+@needs_native
+def test_lean_forward_without_hidden_states_gives_the_same_logits():
+    model = _native_tiny(seed=1)
+    ids = tiny_tokenizer()(PROMPT)["input_ids"]
+    plain, keeping = CachedModel(model), CachedModel(model)
+    keeping.keep_hidden = True
+    assert torch.equal(plain.forward(ids, [], 3), keeping.forward(ids, [], 3))
+    assert plain.hidden is None
+
+
+def test_lean_forward_only_where_it_applies():
+    stock = tiny_llama()
+    assert lean_forward_for(stock) is None  # PyTorch's kernels: HF's forward
+    assert CachedModel(stock).lean is None
+    if native is None:
+        return
+    bfloat16_panels = tiny_llama()
+    use_native_linears(bfloat16_panels, native, bfloat16=True)
+    assert lean_forward_for(bfloat16_panels) is None  # native linears, but not the target's float32 ones
+    assert lean_forward_for(_native_tiny()) is not None
+
+
+@needs_native
+def test_eagle_head_on_the_native_kernels_computes_what_it_computes_on_pytorchs():
+    from engine.drafters.eagle import EagleHead
+
+    target = tiny_llama()
+    head = EagleHead.for_target(target.config).eval()
+    fast = copy.deepcopy(head)
+    use_native_linears(fast, native)  # float32 panels: only the kernels differ, and so attention runs natively
+    h = target.config.hidden_size
+    generator = torch.Generator().manual_seed(2)
+    x, f = torch.randn(2, 7, h, generator=generator)
+    positions = torch.tensor([0, 1, 2, 3, 4, 4, 5])  # nodes 4 and 5 are siblings, 6 is 5's child
+    mask = torch.ones(7, 7, dtype=torch.bool).tril()
+    mask[5, 4] = mask[6, 4] = False
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x, f, positions, mask), head(x, f, positions, mask), atol=1e-5, rtol=1e-5)
+        cache, want_cache = AppendLayer(), AppendLayer()
+        fast(x[:4], f[:4], positions[:4], mask[:4, :4], cache)
+        head(x[:4], f[:4], positions[:4], mask[:4, :4], want_cache)
+        torch.testing.assert_close(fast(x[4:], f[4:], positions[4:], mask[4:], cache),
+                                   head(x[4:], f[4:], positions[4:], mask[4:], want_cache), atol=1e-5, rtol=1e-5)

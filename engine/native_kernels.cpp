@@ -524,7 +524,15 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
         const int64_t g = i / (T * per_group), t = i % (T * per_group) / per_group,
                       h = g * group + i % per_group * chunk;
         int64_t n = 0;  // the keys this query sees, in cache order
-        if (mb || mf) {
+        if (mb && ms1 == 1) {  // a bool row is mostly runs of keys seen (the context): jump from run to run
+          const char* row = reinterpret_cast<const char*>(mb + t * ms0);
+          for (int64_t j = 0; j < S;) {
+            const void* stop = std::memchr(row + j, 0, S - j);
+            const int64_t end = stop ? static_cast<const char*>(stop) - row : S;
+            for (; j < end; ++j) keys[n++] = j;
+            for (++j; j < S && !row[j]; ++j) {}
+          }
+        } else if (mb || mf) {
           for (int64_t j = 0; j < S; ++j) {
             bool sees;
             if (mb) {

@@ -25,25 +25,36 @@ class AppendLayer(DynamicLayer):
     """
 
     def update(self, key_states, value_states, *args, **kwargs):
+        n = self.get_seq_length() if self.is_initialized else 0
+        end = n + key_states.shape[-2]
+        keys, values = self.reserve(end, key_states, value_states)
+        keys[..., n:end, :] = key_states
+        values[..., n:end, :] = value_states
+        self.advance(end)
+        return self.keys, self.values
+
+    def reserve(self, end: int, key_like: torch.Tensor, value_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers [B, H, capacity, D] with capacity >= end, grown by doubling if needed (shaped like
+        key_like and value_like [B, H, *, D]); keys and values stay views of the entries they held."""
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            self.lazy_initialization(key_like, value_like)
             self.buffers = None
         n = self.get_seq_length()
-        end = n + key_states.shape[-2]
         if self.buffers is None or end > self.buffers[0].shape[-2]:
             capacity = max(2 * end, 256)
             grown = []
-            for old, new in ((self.keys, key_states), (self.values, value_states)):
-                buffer = new.new_empty(*new.shape[:-2], capacity, new.shape[-1])  # [B, H, capacity, D]
+            for old, like in ((self.keys, key_like), (self.values, value_like)):
+                buffer = like.new_empty(*like.shape[:-2], capacity, like.shape[-1])  # [B, H, capacity, D]
                 if n:
                     buffer[..., :n, :] = old
                 grown.append(buffer)
             self.buffers = tuple(grown)
-        keys, values = self.buffers
-        keys[..., n:end, :] = key_states
-        values[..., n:end, :] = value_states
-        self.keys, self.values = keys[..., :end, :], values[..., :end, :]
-        return self.keys, self.values
+            self.advance(n)
+        return self.buffers
+
+    def advance(self, end: int) -> None:
+        """Make keys and values the buffers' first `end` entries (written there by the caller)."""
+        self.keys, self.values = self.buffers[0][..., :end, :], self.buffers[1][..., :end, :]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -1,14 +1,19 @@
 """A lean forward pass for Llama-family models on SpecLens's native CPU kernels.
 
-On two CPU cores, plain decoding of the default model spent about 8 of its 26 ms per token in HF's
-Python: module calls, output recording, mask preparation, the attention interface. This is the same
-decoder math, op for op (RMSNorm, rotary positions, grouped-query attention, the gated MLP), written
-as one loop that calls the native linear and attention kernels directly. Every op sees the same
-values as in HF's forward, so the logits and hidden states are bit for bit HF's on the same kernels
-(tests/test_lean_forward.py checks this), and the forward stays batch invariant.
+On two CPU cores, HF's forward of the default model spent about 8 of its 26 ms per token outside the
+linear and attention kernels: module calls, output recording, mask preparation, the attention
+interface, and some thirty small tensor ops per layer, each a trip through Python and the dispatcher.
+Here the whole decoder stack is one call into the native extension (`decoder` in
+engine/native_kernels.cpp): HF's LlamaDecoderLayer math (RMSNorm, rotary positions, grouped-query
+attention over the KV cache, the gated SiLU MLP), then the final norm and the LM head, with q/k/v and
+gate/up each one product over stacked panels. Its elementwise steps work row by row in a fixed order,
+so the forward stays batch invariant: a verified block or tree scores each token bit for bit as
+one-token decoding does (tests/test_native_kernels.py, tests/test_lean_forward.py). Against HF's
+forward on the same kernels it differs by float32 rounding only.
 
 `CachedModel` uses it for plain decoding, verification and trees alike where `lean_forward_for`
-accepts the model; anything else (other architectures, other kernels, GPUs) keeps HF's forward.
+accepts the model; anything else (other architectures, biases, other activations, other kernels,
+GPUs) keeps HF's forward.
 """
 
 from __future__ import annotations
@@ -20,95 +25,72 @@ from engine.attention import is_native_attention
 from engine.native_kernels import NativeLinear
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class LeanLlamaForward:
-    """Logits (and final hidden states) of a LlamaForCausalLM whose linears are all NativeLinear and
-    whose attention is the native kernel, with the KV cache of engine.cache (HF cache layers)."""
+    """Logits (and final hidden states) of a LlamaForCausalLM whose linears are all NativeLinear without
+    bias and whose attention is the native kernel, with the KV cache of engine.cache (AppendLayer)."""
 
     def __init__(self, model: nn.Module):
-        self.model = model
         config = model.config
+        self.model = model
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.kernel = model.lm_head.kernel  # the native extension every linear runs on
         inner = model.model
         self.embed, self.norm, self.rotary = inner.embed_tokens, inner.norm, inner.rotary_emb
-        self.layers = list(inner.layers[: config.num_hidden_layers])
-        self.scale = self.layers[0].self_attn.scaling
-        # per layer, q/k/v and gate/up each as one product: fewer kernel calls, and the small k and v
-        # projections no longer leave a thread idle. Each output is still its own FMA chain.
-        self.qkv = [_fuse(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in self.layers]
-        self.gate_up = [_fuse(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
+        layers = list(inner.layers[: config.num_hidden_layers])
+        self.scale = layers[0].self_attn.scaling
+        self.eps = layers[0].input_layernorm.variance_epsilon
+        self.weights: list[torch.Tensor] = []  # per layer: the six tensors `decoder` reads
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, self.k_at, self.v_at = _stack(attn.q_proj, attn.k_proj, attn.v_proj)
+            gate_up, self.up_at = _stack(mlp.gate_proj, mlp.up_proj)
+            self.weights += [layer.input_layernorm.weight.detach(), qkv, attn.o_proj.panels,
+                             layer.post_attention_layernorm.weight.detach(), gate_up, mlp.down_proj.panels]
+        self.intermediate = layers[0].mlp.gate_proj.out_features
 
-    def _linear(self, layer: NativeLinear, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return self.kernel.linear(x, layer.panels, layer.bias, layer.out_features)
-
-    @staticmethod
-    def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:  # HF's LlamaRMSNorm for float32
-        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
-
-    @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, allowed: torch.Tensor | None,
                  cache, n_logits: int, keep_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, position_ids [T]; allowed [T, S] bool (the keys each new token may see, S = cached +
-        T) or None for causal; cache: an engine.cache cache whose layers append the new keys and values.
+        T) or None for causal; cache: an engine.cache cache whose layers are AppendLayers.
         Returns logits [n_logits, V] of the last rows and, if keep_hidden, final hidden states [T, H]."""
-        n = input_ids.shape[0]
-        x = self.embed(input_ids)  # [T, H]
-        cos, sin = self.rotary(x, position_ids[None])  # [1, T, D] each
-        cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, D]: every head alike
-        attention = self.kernel.attention
-        for layer, qkv, gate_up, cache_layer in zip(self.layers, self.qkv, self.gate_up, cache.layers):
-            q, k, v = qkv(self.kernel, self._rms_norm(layer.input_layernorm, x))  # [T, q / k / v width]
-            q = q.view(n, self.heads, self.head_dim)  # [T, heads, D]
-            k, v = k.view(n, self.kv_heads, self.head_dim), v.view(n, self.kv_heads, self.head_dim)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-            keys, values = cache_layer.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None])  # [1, kv heads, S, D]
-            out = attention(q, keys[0], values[0], allowed, self.scale, True)  # [T, heads, D]
-            x = x + self._linear(layer.self_attn.o_proj, out.view(n, -1))
-            gate, up = gate_up(self.kernel, self._rms_norm(layer.post_attention_layernorm, x))
-            x = x + self._linear(layer.mlp.down_proj, layer.mlp.act_fn(gate) * up)
-        if keep_hidden:
-            hidden = self._rms_norm(self.norm, x)  # [T, H]
-            return self._linear(self.model.lm_head, hidden[-n_logits:]), hidden
-        return self._linear(self.model.lm_head, self._rms_norm(self.norm, x[-n_logits:])), None
+        with torch.inference_mode():
+            x = self.embed(input_ids)  # [T, H]
+            cos, sin = self.rotary(x, position_ids[None])  # [1, T, D] each
+            cached = cache.layers[0].get_seq_length()
+            end = cached + input_ids.shape[0]
+            like = x.new_empty(1, self.kv_heads, 0, self.head_dim)
+            buffers = [layer.reserve(end, like, like) for layer in cache.layers]  # [1, kv heads, capacity, D] each
+            logits, hidden = self.kernel.decoder(
+                x, cos[0].contiguous(), sin[0].contiguous(), self.weights, [k[0] for k, _ in buffers],
+                [v[0] for _, v in buffers], cached, allowed, self.norm.weight.detach(), self.model.lm_head.panels,
+                self.model.lm_head.out_features, self.heads, self.kv_heads, self.k_at, self.v_at, self.intermediate,
+                self.up_at, self.eps, self.scale, n_logits, keep_hidden)
+            for layer in cache.layers:
+                layer.advance(end)
+        return logits, hidden if keep_hidden else None
 
 
-class _Fused:
-    """Linears that read the same input as one product over their stacked panels."""
-
-    def __init__(self, panels: torch.Tensor, bias: torch.Tensor | None, parts: list[tuple[int, int]]):
-        self.panels, self.bias, self.parts = panels, bias, parts  # parts: (first column, width) of each linear
-
-    def __call__(self, kernel, x: torch.Tensor) -> list[torch.Tensor]:  # [T, in] -> a [T, width] view per linear
-        y = kernel.linear(x, self.panels, self.bias, self.panels.shape[0] * self.panels.shape[2])
-        return [y[:, start : start + width] for start, width in self.parts]
-
-
-def _fuse(*linears: NativeLinear) -> _Fused:
-    """Stack the panels of linears over one input; each linear's panels become a view of the stack (no second
-    copy). A linear's columns start where the previous one's panels end (panels pad to 64 columns)."""
+def _stack(*linears: NativeLinear) -> tuple[torch.Tensor, ...]:
+    """The panels of linears over one input stacked into one product, and the first column of each
+    linear after the first (panels pad to 64 columns). Each linear's panels become a view of the stack,
+    so the weights are not held twice."""
     panels = torch.cat([linear.panels for linear in linears])  # [P, in, 16]
-    parts, start, biases = [], 0, []
+    starts, start = [], 0
     for linear in linears:
-        columns = linear.panels.shape[0] * linear.panels.shape[2]
-        linear.panels = panels[start // 16 : (start + columns) // 16]
-        parts.append((start, linear.out_features))
-        bias = torch.zeros(columns)
-        if linear.bias is not None:
-            bias[: linear.out_features] = linear.bias
-        biases.append(bias)
-        start += columns
-    any_bias = any(linear.bias is not None for linear in linears)
-    return _Fused(panels, torch.cat(biases) if any_bias else None, parts)
+        count = linear.panels.shape[0]
+        linear.panels = panels[start : start + count]
+        starts.append(start * panels.shape[2])
+        start += count
+    return (panels, *starts[1:])
 
 
 def lean_forward_for(model: nn.Module) -> LeanLlamaForward | None:
-    """The lean forward for a float32 Llama model on the native kernels (linears and attention), else None."""
+    """The lean forward for a float32 Llama model on the native kernels (linears without bias, attention,
+    a SiLU MLP), else None. Built once per model: every CachedModel of it shares it."""
+    lean = getattr(model, "_speclens_lean_forward", None)
+    if lean is not None:
+        return lean
     config = model.config
     if type(model).__name__ != "LlamaForCausalLM" or config.model_type != "llama" or not is_native_attention(model):
         return None
@@ -117,15 +99,12 @@ def lean_forward_for(model: nn.Module) -> LeanLlamaForward | None:
     linears = [model.lm_head] + [getattr(layer.self_attn, name) for layer in layers
                                  for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     linears += [getattr(layer.mlp, name) for layer in layers for name in ("gate_proj", "up_proj", "down_proj")]
-    if not all(type(linear) is NativeLinear and linear.panels.dtype == torch.float32 for linear in linears):
+    if not all(type(linear) is NativeLinear and linear.panels.dtype == torch.float32 and linear.bias is None
+               for linear in linears):
         return None
-    if getattr(config, "pretraining_tp", 1) != 1 or type(inner.embed_tokens) is not nn.Embedding:
+    if (getattr(config, "pretraining_tp", 1) != 1 or type(inner.embed_tokens) is not nn.Embedding
+            or config.hidden_act != "silu" or not hasattr(model.lm_head.kernel, "decoder")):
         return None
-    if any(layer.self_attn.num_key_value_groups * config.num_key_value_heads != config.num_attention_heads
-           for layer in layers):
-        return None
-    lean = getattr(model, "_speclens_lean_forward", None)
-    if lean is None:  # built once per model: every CachedModel of it shares the stacked panels
-        lean = LeanLlamaForward(model)
-        model._speclens_lean_forward = lean
+    lean = LeanLlamaForward(model)
+    model._speclens_lean_forward = lean
     return lean

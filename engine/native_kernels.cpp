@@ -564,6 +564,119 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   return out;
 }
 
+// ---- a whole Llama decoder stack ----------------------------------------------------------------------
+
+namespace {
+
+// HF's LlamaRMSNorm in float32, row by row: w * (x * 1 / sqrt(mean(x^2) + eps)), the sum taken in
+// order, so a row's result never depends on the rows beside it.
+void rms_norm(const float* x, const float* w, int64_t T, int64_t H, double eps, float* y) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xt = x + t * H;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < H; ++i) sum += xt[i] * xt[i];
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
+    for (int64_t i = 0; i < H; ++i) y[t * H + i] = w[i] * (xt[i] * inv);
+  }
+}
+
+// Rotary positions in place on heads [T, n, D] (row stride ld): x * cos + rotate_half(x) * sin.
+void rotate(float* x, int64_t ld, int64_t T, int64_t n, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  std::vector<float> row(D);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < n; ++h) {
+      float* xh = x + t * ld + h * D;
+      const float* c = cos + t * D;
+      const float* s = sin + t * D;
+      std::copy(xh, xh + D, row.begin());
+      for (int64_t d = 0; d < half; ++d) xh[d] = row[d] * c[d] + -row[d + half] * s[d];
+      for (int64_t d = half; d < D; ++d) xh[d] = row[d] * c[d] + row[d - half] * s[d];
+    }
+}
+
+// silu(gate) * up, elementwise (gate at g, up at u, rows ld apart; out [T, I]). sigmoid from e^-|x|,
+// which the vector exponential takes (it is made for arguments <= 0).
+void silu_mul(const float* g, const float* u, int64_t ld, int64_t T, int64_t I, float* out) {
+  alignas(64) float lanes[kLanes];
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t i = 0; i < I; i += kLanes) {
+      const int64_t n = std::min<int64_t>(kLanes, I - i);
+      std::fill(lanes, lanes + kLanes, 0.0f);
+      std::copy(g + t * ld + i, g + t * ld + i + n, lanes);
+      const Vec x = vload(lanes);
+      alignas(64) float e[kLanes];
+      vstore(e, vexp(vsub(vzero(), vmax(x, vsub(vzero(), x)))));  // e^-|x|
+      for (int64_t l = 0; l < n; ++l) {
+        const float sigmoid = lanes[l] >= 0.0f ? 1.0f / (1.0f + e[l]) : e[l] / (1.0f + e[l]);
+        out[t * I + i + l] = lanes[l] * sigmoid * u[t * ld + i + l];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// A Llama decoder stack on the kernels above, HF's LlamaDecoderLayer math per layer, without a trip
+// back to Python between ops. x [T, H] embeddings; cos, sin [T, D]; per layer six tensors in
+// `weights`: input norm [H], q/k/v panels stacked (columns: q at 0, k at k_at, v at v_at), o panels,
+// post-attention norm [H], gate/up panels stacked (up at up_at), down panels; keys[l], values[l]: the
+// layer's cache buffers [G, capacity, D] whose first `cached` rows are filled, the new rows written
+// after them; mask [T, cached + T] bool or undefined (causal). Returns the logits [n_logits, V] of the
+// last rows and, if keep_hidden, the final hidden states [T, H] (else an empty tensor).
+std::vector<torch::Tensor> decoder(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                   const std::vector<torch::Tensor>& weights, const std::vector<torch::Tensor>& keys,
+                                   const std::vector<torch::Tensor>& values, int64_t cached,
+                                   const c10::optional<torch::Tensor>& mask, const torch::Tensor& final_norm,
+                                   const torch::Tensor& lm_panels, int64_t vocab, int64_t heads, int64_t kv_heads,
+                                   int64_t k_at, int64_t v_at, int64_t intermediate, int64_t up_at, double eps,
+                                   double scale, int64_t n_logits, bool keep_hidden) {
+  const int64_t T = x.size(0), H = x.size(1), D = cos.size(1), layers = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.size(0) == T && weights.size() == static_cast<size_t>(6 * layers) && values.size() == keys.size() &&
+                  1 <= n_logits && n_logits <= T,
+              "decoder: inputs do not fit");
+  x = x.clone();
+  auto normed = torch::empty_like(x);
+  auto act = torch::empty({T, intermediate}, x.options());
+  const int64_t end = cached + T;
+  for (int64_t l = 0; l < layers; ++l) {
+    const torch::Tensor* w = weights.data() + 6 * l;
+    const auto& k_cache = keys[l];
+    const auto& v_cache = values[l];
+    TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(0) == kv_heads && k_cache.size(1) >= end && k_cache.size(2) == D &&
+                    k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
+                "decoder: a cache buffer does not fit");
+    rms_norm(x.data_ptr<float>(), w[0].data_ptr<float>(), T, H, eps, normed.data_ptr<float>());
+    auto qkv = linear(normed, w[1], c10::nullopt, w[1].size(0) * kPanel);  // [T, q | k | v]
+    float* qp = qkv.data_ptr<float>();
+    const int64_t ld = qkv.size(1);
+    rotate(qp, ld, T, heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
+    rotate(qp + k_at, ld, T, kv_heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
+    float* kc = k_cache.data_ptr<float>();
+    float* vc = v_cache.data_ptr<float>();
+    const int64_t capacity = k_cache.size(1);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        std::copy(qp + t * ld + k_at + g * D, qp + t * ld + k_at + (g + 1) * D, kc + (g * capacity + cached + t) * D);
+        std::copy(qp + t * ld + v_at + g * D, qp + t * ld + v_at + (g + 1) * D, vc + (g * capacity + cached + t) * D);
+      }
+    const auto q = qkv.narrow(1, 0, heads * D).view({T, heads, D});
+    const auto attended = attention(q, k_cache.narrow(1, 0, end), v_cache.narrow(1, 0, end), mask, scale, true);
+    x.add_(linear(attended.view({T, heads * D}), w[2], c10::nullopt, H));
+    rms_norm(x.data_ptr<float>(), w[3].data_ptr<float>(), T, H, eps, normed.data_ptr<float>());
+    auto gate_up = linear(normed, w[4], c10::nullopt, w[4].size(0) * kPanel);  // [T, gate | up]
+    const float* gp = gate_up.data_ptr<float>();
+    silu_mul(gp, gp + up_at, gate_up.size(1), T, intermediate, act.data_ptr<float>());
+    x.add_(linear(act, w[5], c10::nullopt, H));
+  }
+  const int64_t rows = keep_hidden ? T : n_logits;
+  auto hidden = torch::empty({rows, H}, x.options());
+  rms_norm(x.data_ptr<float>() + (T - rows) * H, final_norm.data_ptr<float>(), rows, H, eps, hidden.data_ptr<float>());
+  auto logits = linear(hidden.narrow(0, rows - n_logits, n_logits), lm_panels, c10::nullopt, vocab);
+  return {logits, keep_hidden ? hidden : torch::empty({0, H}, x.options())};
+}
+
 std::string isa() { return kIsa; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -571,5 +684,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("bfloat16") = false);
   m.def("linear", &linear, "x [..., K] @ W^T (+ bias) from packed panels");
   m.def("attention", &attention, "batch-invariant attention of q [T, H, D] over k, v [G, S, D]");
+  m.def("decoder", &decoder, "a Llama decoder stack, its final norm and LM head, on these kernels");
   m.def("isa", &isa, "the instruction set this build uses");
 }

@@ -40,14 +40,7 @@ class LeanLlamaForward:
         layers = list(inner.layers[: config.num_hidden_layers])
         self.scale = layers[0].self_attn.scaling
         self.eps = layers[0].input_layernorm.variance_epsilon
-        self.weights: list[torch.Tensor] = []  # per layer: the six tensors `decoder` reads
-        for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv, self.k_at, self.v_at = _stack(attn.q_proj, attn.k_proj, attn.v_proj)
-            gate_up, self.up_at = _stack(mlp.gate_proj, mlp.up_proj)
-            self.weights += [layer.input_layernorm.weight.detach(), qkv, attn.o_proj.panels,
-                             layer.post_attention_layernorm.weight.detach(), gate_up, mlp.down_proj.panels]
-        self.intermediate = layers[0].mlp.gate_proj.out_features
+        self.weights, self.columns = decoder_weights(layers)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, allowed: torch.Tensor | None,
                  cache, n_logits: int, keep_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -64,11 +57,34 @@ class LeanLlamaForward:
             logits, hidden = self.kernel.decoder(
                 x, cos[0].contiguous(), sin[0].contiguous(), self.weights, [k[0] for k, _ in buffers],
                 [v[0] for _, v in buffers], cached, allowed, self.norm.weight.detach(), self.model.lm_head.panels,
-                self.model.lm_head.out_features, self.heads, self.kv_heads, self.k_at, self.v_at, self.intermediate,
-                self.up_at, self.eps, self.scale, n_logits, keep_hidden)
+                self.model.lm_head.out_features, self.heads, self.kv_heads, *self.columns, self.eps, self.scale,
+                n_logits, keep_hidden)
             for layer in cache.layers:
                 layer.advance(end)
         return logits, hidden if keep_hidden else None
+
+
+def decoder_weights(layers) -> tuple[list[torch.Tensor], tuple[int, int, int, int]]:
+    """What the extension's `decoder` reads for HF Llama decoder layers on native linears: six tensors per
+    layer (input norm, stacked q/k/v panels, o panels, post-attention norm, stacked gate/up panels, down
+    panels) and the columns (k at, v at, intermediate size, up at) of the stacked products."""
+    weights = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, k_at, v_at = _stack(attn.q_proj, attn.k_proj, attn.v_proj)
+        gate_up, up_at = _stack(mlp.gate_proj, mlp.up_proj)
+        weights += [layer.input_layernorm.weight.detach(), qkv, attn.o_proj.panels,
+                    layer.post_attention_layernorm.weight.detach(), gate_up, mlp.down_proj.panels]
+    return weights, (k_at, v_at, layers[0].mlp.gate_proj.out_features, up_at)
+
+
+def decoder_layers_fit(layers, config) -> bool:
+    """Whether `decoder` can run these HF Llama decoder layers: every linear native and without bias, SiLU."""
+    linears = [getattr(layer.self_attn, name) for layer in layers for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    linears += [getattr(layer.mlp, name) for layer in layers for name in ("gate_proj", "up_proj", "down_proj")]
+    return (config.hidden_act == "silu" and getattr(config, "pretraining_tp", 1) == 1
+            and all(type(linear) is NativeLinear and linear.bias is None and hasattr(linear.kernel, "decoder")
+                    for linear in linears))
 
 
 def _stack(*linears: NativeLinear) -> tuple[torch.Tensor, ...]:
@@ -96,14 +112,10 @@ def lean_forward_for(model: nn.Module) -> LeanLlamaForward | None:
         return None
     inner = model.model
     layers = list(inner.layers[: config.num_hidden_layers])
-    linears = [model.lm_head] + [getattr(layer.self_attn, name) for layer in layers
-                                 for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    linears += [getattr(layer.mlp, name) for layer in layers for name in ("gate_proj", "up_proj", "down_proj")]
-    if not all(type(linear) is NativeLinear and linear.panels.dtype == torch.float32 and linear.bias is None
-               for linear in linears):
-        return None
-    if (getattr(config, "pretraining_tp", 1) != 1 or type(inner.embed_tokens) is not nn.Embedding
-            or config.hidden_act != "silu" or not hasattr(model.lm_head.kernel, "decoder")):
+    head = model.lm_head
+    if (type(head) is not NativeLinear or head.bias is not None or type(inner.embed_tokens) is not nn.Embedding
+            or not decoder_layers_fit(layers, config)
+            or any(linear.panels.dtype != torch.float32 for linear in (head, layers[0].self_attn.q_proj))):
         return None
     lean = LeanLlamaForward(model)
     model._speclens_lean_forward = lean

@@ -219,6 +219,10 @@ inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
 inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline Vec vround(Vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec vselect_nonnegative(Vec x, Vec yes, Vec no) {  // lanes where x >= 0 from yes, the rest from no
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), no, yes);
+}
 inline Vec vpow2(Vec n) {  // 2^n for integral n in [-127, 127]
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
@@ -240,6 +244,10 @@ inline float vsum(Vec v) {
   return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
 }
 inline Vec vround(Vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec vselect_nonnegative(Vec x, Vec yes, Vec no) {
+  return _mm256_blendv_ps(no, yes, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+}
 inline Vec vpow2(Vec n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
@@ -568,15 +576,22 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
 
 namespace {
 
-// HF's LlamaRMSNorm in float32, row by row: w * (x * 1 / sqrt(mean(x^2) + eps)), the sum taken in
-// order, so a row's result never depends on the rows beside it.
+// HF's LlamaRMSNorm in float32, row by row: w * (x * 1 / sqrt(mean(x^2) + eps)). The squares are summed
+// in kLanes running sums (a ragged tail into the first lanes), then across lanes, in a fixed order that
+// depends only on the row's length, so a row's result never depends on the rows beside it.
 void rms_norm(const float* x, const float* w, int64_t T, int64_t H, double eps, float* y) {
+  alignas(64) float lanes[kLanes];
   for (int64_t t = 0; t < T; ++t) {
     const float* xt = x + t * H;
+    Vec sums = vzero();
+    int64_t i = 0;
+    for (; i + kLanes <= H; i += kLanes) sums = vfma(vload(xt + i), vload(xt + i), sums);
+    vstore(lanes, sums);
+    for (int64_t l = 0; i < H; ++i, ++l) lanes[l] += xt[i] * xt[i];
     float sum = 0.0f;
-    for (int64_t i = 0; i < H; ++i) sum += xt[i] * xt[i];
+    for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
     const float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
-    for (int64_t i = 0; i < H; ++i) y[t * H + i] = w[i] * (xt[i] * inv);
+    for (int64_t j = 0; j < H; ++j) y[t * H + j] = w[j] * (xt[j] * inv);
   }
 }
 
@@ -595,21 +610,33 @@ void rotate(float* x, int64_t ld, int64_t T, int64_t n, int64_t D, const float* 
     }
 }
 
-// silu(gate) * up, elementwise (gate at g, up at u, rows ld apart; out [T, I]). sigmoid from e^-|x|,
-// which the vector exponential takes (it is made for arguments <= 0).
+// silu(gate) * up, elementwise (gate at g, up at u, rows ld apart; out [T, I]): x * sigmoid(x) * up, the
+// sigmoid from e^-|x| (which the vector exponential takes: it is made for arguments <= 0), 1 / (1 + e)
+// for x >= 0 and e / (1 + e) below. A ragged tail goes through the same vector code, zero padded.
 void silu_mul(const float* g, const float* u, int64_t ld, int64_t T, int64_t I, float* out) {
-  alignas(64) float lanes[kLanes];
+  alignas(64) float gate[kLanes], up[kLanes], result[kLanes];
+  const Vec one = vset1(1.0f);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t i = 0; i < I; i += kLanes) {
       const int64_t n = std::min<int64_t>(kLanes, I - i);
-      std::fill(lanes, lanes + kLanes, 0.0f);
-      std::copy(g + t * ld + i, g + t * ld + i + n, lanes);
-      const Vec x = vload(lanes);
-      alignas(64) float e[kLanes];
-      vstore(e, vexp(vsub(vzero(), vmax(x, vsub(vzero(), x)))));  // e^-|x|
-      for (int64_t l = 0; l < n; ++l) {
-        const float sigmoid = lanes[l] >= 0.0f ? 1.0f / (1.0f + e[l]) : e[l] / (1.0f + e[l]);
-        out[t * I + i + l] = lanes[l] * sigmoid * u[t * ld + i + l];
+      const float* gi = g + t * ld + i;
+      const float* ui = u + t * ld + i;
+      Vec x, y;
+      if (n == kLanes) {
+        x = vload(gi), y = vload(ui);
+      } else {
+        std::fill(gate, gate + kLanes, 0.0f), std::fill(up, up + kLanes, 0.0f);
+        std::copy(gi, gi + n, gate), std::copy(ui, ui + n, up);
+        x = vload(gate), y = vload(up);
+      }
+      const Vec e = vexp(vsub(vzero(), vmax(x, vsub(vzero(), x))));  // e^-|x|
+      const Vec sigmoid = vdiv(vselect_nonnegative(x, one, e), vadd(one, e));
+      const Vec z = vmul(vmul(x, sigmoid), y);
+      if (n == kLanes) {
+        vstore(out + t * I + i, z);
+      } else {
+        vstore(result, z);
+        std::copy(result, result + n, out + t * I + i);
       }
     }
   }
@@ -623,18 +650,20 @@ void silu_mul(const float* g, const float* u, int64_t ld, int64_t T, int64_t I, 
 // post-attention norm [H], gate/up panels stacked (up at up_at), down panels; keys[l], values[l]: the
 // layer's cache buffers [G, capacity, D] whose first `cached` rows are filled, the new rows written
 // after them; mask [T, cached + T] bool or undefined (causal). Returns the logits [n_logits, V] of the
-// last rows and, if keep_hidden, the final hidden states [T, H] (else an empty tensor).
+// last rows (none for n_logits = 0) and, if keep_hidden, the final hidden states [T, H] (else an empty
+// tensor), after final_norm if one is given (an EAGLE head has none).
 std::vector<torch::Tensor> decoder(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                                    const std::vector<torch::Tensor>& weights, const std::vector<torch::Tensor>& keys,
                                    const std::vector<torch::Tensor>& values, int64_t cached,
-                                   const c10::optional<torch::Tensor>& mask, const torch::Tensor& final_norm,
-                                   const torch::Tensor& lm_panels, int64_t vocab, int64_t heads, int64_t kv_heads,
+                                   const c10::optional<torch::Tensor>& mask,
+                                   const c10::optional<torch::Tensor>& final_norm,
+                                   const c10::optional<torch::Tensor>& lm_panels, int64_t vocab, int64_t heads, int64_t kv_heads,
                                    int64_t k_at, int64_t v_at, int64_t intermediate, int64_t up_at, double eps,
                                    double scale, int64_t n_logits, bool keep_hidden) {
   const int64_t T = x.size(0), H = x.size(1), D = cos.size(1), layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() &&
                   cos.size(0) == T && weights.size() == static_cast<size_t>(6 * layers) && values.size() == keys.size() &&
-                  1 <= n_logits && n_logits <= T,
+                  0 <= n_logits && n_logits <= T && (n_logits == 0 || (lm_panels.has_value() && lm_panels->defined())),
               "decoder: inputs do not fit");
   x = x.clone();
   auto normed = torch::empty_like(x);
@@ -671,9 +700,13 @@ std::vector<torch::Tensor> decoder(torch::Tensor x, const torch::Tensor& cos, co
     x.add_(linear(act, w[5], c10::nullopt, H));
   }
   const int64_t rows = keep_hidden ? T : n_logits;
-  auto hidden = torch::empty({rows, H}, x.options());
-  rms_norm(x.data_ptr<float>() + (T - rows) * H, final_norm.data_ptr<float>(), rows, H, eps, hidden.data_ptr<float>());
-  auto logits = linear(hidden.narrow(0, rows - n_logits, n_logits), lm_panels, c10::nullopt, vocab);
+  auto hidden = x.narrow(0, T - rows, rows);
+  if (final_norm.has_value() && final_norm->defined()) {
+    hidden = torch::empty({rows, H}, x.options());
+    rms_norm(x.data_ptr<float>() + (T - rows) * H, final_norm->data_ptr<float>(), rows, H, eps, hidden.data_ptr<float>());
+  }
+  auto logits = n_logits ? linear(hidden.narrow(0, rows - n_logits, n_logits), *lm_panels, c10::nullopt, vocab)
+                         : torch::empty({0, vocab}, x.options());
   return {logits, keep_hidden ? hidden : torch::empty({0, H}, x.options())};
 }
 

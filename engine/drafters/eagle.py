@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from engine.attention import grouped_query_attention
 from engine.cache import AppendLayer, CachedModel, common_prefix
 from engine.cpu_kernels import drafter_linear, drafter_module
-from engine.native_kernels import NativeLinear
+from engine.lean_forward import decoder_layers_fit, decoder_weights
 from engine.sampling import SamplingParams, process_logits
 from engine.tree import DraftModelTreeDrafter, DraftTree, TreeShape, ancestor_path, node_depths, tree_attention
 
@@ -69,6 +69,8 @@ class EagleHead(nn.Module):
         arithmetic. test_heads checks it against LlamaDecoderLayer."""
         attention, config = self.layer.self_attn, self.config
         x = self.fc(torch.cat([embeds, features], dim=-1))  # [T, H]
+        if decoder_layers_fit([self.layer], config):  # on the native kernels: the layer in one native call
+            return self._native_layer(x, position_ids, mask, cache)
         n = x.shape[0]
         h = self.layer.input_layernorm(x)
         q = attention.q_proj(h).view(n, config.num_attention_heads, -1).transpose(0, 1)  # [heads, T, D]
@@ -79,13 +81,30 @@ class EagleHead(nn.Module):
         k, v = k[None], v[None]  # [1, kv heads, T, D]
         if cache is not None:
             k, v = cache.update(k, v)  # [1, kv heads, P + T, D]
-        if isinstance(attention.q_proj, NativeLinear):  # on the native kernels: their attention as well
-            out = attention.q_proj.kernel.attention(q.transpose(0, 1), k[0], v[0], mask.to(x.device), attention.scaling,
-                                                    True).transpose(0, 1)  # [heads, T, D]
-        else:
-            out = grouped_query_attention(q[None], k, v, mask.to(x.device)[None, None])[0]  # [heads, T, D]
+        out = grouped_query_attention(q[None], k, v, mask.to(x.device)[None, None])[0]  # [heads, T, D]
         x = x + attention.o_proj(out.transpose(0, 1).reshape(n, -1))  # [T, H]
         return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
+
+    def _native_layer(self, x: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+                      cache: AppendLayer | None) -> torch.Tensor:
+        """The decoder layer on the native extension's `decoder` (the same math, engine/lean_forward.py):
+        x [T, H] -> [T, H], the new keys and values appended to `cache` (a scratch one if None)."""
+        config, attention = self.config, self.layer.self_attn
+        if getattr(self, "_native", None) is None:  # stacked once per module, reused every drafting pass
+            self._native = decoder_weights([self.layer])
+        weights, columns = self._native
+        cache = AppendLayer() if cache is None else cache
+        cos, sin = self.rotary(x, position_ids.to(x.device)[None])  # [1, T, D] each
+        cached = cache.get_seq_length()
+        end = cached + x.shape[0]
+        like = x.new_empty(1, config.num_key_value_heads, 0, attention.head_dim)
+        keys, values = cache.reserve(end, like, like)  # [1, kv heads, capacity, D] each
+        _, out = attention.q_proj.kernel.decoder(
+            x.contiguous(), cos[0].contiguous(), sin[0].contiguous(), weights, [keys[0]], [values[0]], cached,
+            mask.to(x.device), None, None, 0, config.num_attention_heads, config.num_key_value_heads, *columns,
+            self.layer.input_layernorm.variance_epsilon, attention.scaling, 0, True)
+        cache.advance(end)
+        return out
 
     @classmethod
     def load(cls, folder: str | Path) -> EagleHead:

@@ -410,8 +410,8 @@ def describe_target(engine) -> str:
     kernels = ""
     if native_kernel_of(engine.target.model) is not None:
         attention = is_native_attention(engine.target.model)
-        kernels = (f", SpecLens's native linears{' and attention' if attention else ''} "
-                   f"({native_kernel_of(engine.target.model).isa()})")
+        what = "decoder" if engine.target_lm.lean is not None else f"linears{' and attention' if attention else ''}"
+        kernels = f", SpecLens's native {what} ({native_kernel_of(engine.target.model).isa()})"
     elif is_packed(engine.target.model):
         layers = [m for m in engine.target.model.modules() if isinstance(m, PackedLinear)]
         stock = sum(m.one_row_stock for m in layers)

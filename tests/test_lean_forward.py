@@ -120,7 +120,6 @@ def test_eagle_head_on_the_native_kernels_computes_what_it_computes_on_pytorchs(
     target = tiny_llama()
     head = EagleHead.for_target(target.config).eval()
     fast = copy.deepcopy(head)
-    use_native_linears(fast, native)  # float32 panels: only the kernels differ, and so attention runs natively
     h = target.config.hidden_size
     generator = torch.Generator().manual_seed(2)
     x, f = torch.randn(2, 7, h, generator=generator)
@@ -128,6 +127,10 @@ def test_eagle_head_on_the_native_kernels_computes_what_it_computes_on_pytorchs(
     mask = torch.ones(7, 7, dtype=torch.bool).tril()
     mask[5, 4] = mask[6, 4] = False
     with torch.inference_mode():
+        fast(x, f, positions, mask)  # on PyTorch's kernels first: the head notes it cannot use the native call
+        assert fast._native_weights() is None
+        use_native_linears(fast, native)  # float32 panels: only the kernels differ
+        assert fast._native_weights() is not None  # the swapped linears are seen
         torch.testing.assert_close(fast(x, f, positions, mask), head(x, f, positions, mask), atol=1e-5, rtol=1e-5)
         cache, want_cache = AppendLayer(), AppendLayer()
         fast(x[:4], f[:4], positions[:4], mask[:4, :4], cache)

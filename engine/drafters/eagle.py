@@ -69,8 +69,9 @@ class EagleHead(nn.Module):
         arithmetic. test_heads checks it against LlamaDecoderLayer."""
         attention, config = self.layer.self_attn, self.config
         x = self.fc(torch.cat([embeds, features], dim=-1))  # [T, H]
-        if decoder_layers_fit([self.layer], config):  # on the native kernels: the layer in one native call
-            return self._native_layer(x, position_ids, mask, cache)
+        native = self._native_weights()
+        if native is not None:  # on the native kernels: the layer in one native call
+            return self._native_layer(native, x, position_ids, mask, cache)
         n = x.shape[0]
         h = self.layer.input_layernorm(x)
         q = attention.q_proj(h).view(n, config.num_attention_heads, -1).transpose(0, 1)  # [heads, T, D]
@@ -85,14 +86,22 @@ class EagleHead(nn.Module):
         x = x + attention.o_proj(out.transpose(0, 1).reshape(n, -1))  # [T, H]
         return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
 
-    def _native_layer(self, x: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+    def _native_weights(self):
+        """What the native `decoder` reads for the layer (engine/lean_forward.py) if it runs on the native
+        kernels, else None. Decided once per set of linears (use_native_linears swaps them), not per pass."""
+        q_proj = self.layer.self_attn.q_proj
+        memo = getattr(self, "_native", None)
+        if memo is None or memo[0] is not q_proj:
+            fits = decoder_layers_fit([self.layer], self.config)
+            memo = self._native = (q_proj, decoder_weights([self.layer]) if fits else None)
+        return memo[1]
+
+    def _native_layer(self, native, x: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                       cache: AppendLayer | None) -> torch.Tensor:
         """The decoder layer on the native extension's `decoder` (the same math, engine/lean_forward.py):
         x [T, H] -> [T, H], the new keys and values appended to `cache` (a scratch one if None)."""
         config, attention = self.config, self.layer.self_attn
-        if getattr(self, "_native", None) is None:  # stacked once per module, reused every drafting pass
-            self._native = decoder_weights([self.layer])
-        weights, columns = self._native
+        weights, columns = native
         cache = AppendLayer() if cache is None else cache
         cos, sin = self.rotary(x, position_ids.to(x.device)[None])  # [1, T, D] each
         cached = cache.get_seq_length()

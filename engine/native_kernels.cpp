@@ -587,7 +587,7 @@ void rms_norm(const float* x, const float* w, int64_t T, int64_t H, double eps, 
     int64_t i = 0;
     for (; i + kLanes <= H; i += kLanes) sums = vfma(vload(xt + i), vload(xt + i), sums);
     vstore(lanes, sums);
-    for (int64_t l = 0; i < H; ++i, ++l) lanes[l] += xt[i] * xt[i];
+    for (int64_t l = 0; i < H; ++i, ++l) lanes[l] = std::fma(xt[i], xt[i], lanes[l]);
     float sum = 0.0f;
     for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
     const float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + static_cast<float>(eps));
@@ -595,7 +595,9 @@ void rms_norm(const float* x, const float* w, int64_t T, int64_t H, double eps, 
   }
 }
 
-// Rotary positions in place on heads [T, n, D] (row stride ld): x * cos + rotate_half(x) * sin.
+// Rotary positions in place on heads [T, n, D] (row stride ld): x * cos + rotate_half(x) * sin, with the
+// fused multiply-adds spelled out, so that no compiler choice (vector body or scalar remainder) can
+// round one position differently from another.
 void rotate(float* x, int64_t ld, int64_t T, int64_t n, int64_t D, const float* cos, const float* sin) {
   const int64_t half = D / 2;
   std::vector<float> row(D);
@@ -605,8 +607,8 @@ void rotate(float* x, int64_t ld, int64_t T, int64_t n, int64_t D, const float* 
       const float* c = cos + t * D;
       const float* s = sin + t * D;
       std::copy(xh, xh + D, row.begin());
-      for (int64_t d = 0; d < half; ++d) xh[d] = row[d] * c[d] + -row[d + half] * s[d];
-      for (int64_t d = half; d < D; ++d) xh[d] = row[d] * c[d] + row[d - half] * s[d];
+      for (int64_t d = 0; d < half; ++d) xh[d] = std::fma(row[d], c[d], -row[d + half] * s[d]);
+      for (int64_t d = half; d < D; ++d) xh[d] = std::fma(row[d], c[d], row[d - half] * s[d]);
     }
 }
 

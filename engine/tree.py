@@ -18,8 +18,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from engine.cache import CachedModel
-from engine.drafters.datastore import Datastore, DatastoreDrafter
-from engine.drafters.lookup import PromptLookupDrafter, lookup
+from engine.drafters.datastore import STORE_ACCEPTANCE, Datastore, DatastoreDrafter
+from engine.drafters.lookup import LOOKUP_ACCEPTANCE, PromptLookupDrafter, chain_acceptance, lookup_match
 from engine.sampling import SamplingParams, process_logits
 from engine.verify import tree_children, verify_tree, verify_tree_greedy
 
@@ -120,6 +120,9 @@ class DraftTree:
     probs: torch.Tensor | None  # [N, V] q each node was drawn from at its parent; None: deterministic
     without_replacement: bool = False  # siblings were sampled from q without replacement
     proposers: tuple[str, ...] = ()  # [N] who drafted each node; "" (and ()): the tree's own drafter
+    # [N] how likely each node is to be accepted, as its drafter estimates it (a dynamic tree's
+    # cumulative draft probability); () where unknown. Only ranks nodes; exactness never reads it.
+    values: tuple[float, ...] = ()
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -249,29 +252,35 @@ class DraftModelTreeDrafter:
                 break
         kept = select_by_value(parents, values, self.budget)
         new_index = {old: new for new, old in enumerate(kept)}
-        return self._tree(
-            [tokens[i] for i in kept], [new_index[parents[i]] if i else -1 for i in kept], None, False
-        )
+        return self._tree([tokens[i] for i in kept], [new_index[parents[i]] if i else -1 for i in kept], None, False,
+                          tuple(values[i] for i in kept))
 
-    def _tree(self, tokens: list[int], parents: list[int], rows: list | None, without_replacement: bool) -> DraftTree:
+    def _tree(self, tokens: list[int], parents: list[int], rows: list | None, without_replacement: bool,
+              values: tuple[float, ...] = ()) -> DraftTree:
         device = self.lm.device
         probs = None
         if rows is not None and len(tokens) > 1:
             probs = torch.stack([torch.zeros_like(rows[1]), *rows[1:]])  # [N, V], row 0 unused
-        return DraftTree(torch.tensor(tokens, device=device), tuple(parents), probs, without_replacement)
+        return DraftTree(torch.tensor(tokens, device=device), tuple(parents), probs, without_replacement, (), values)
 
 
-def graft_chain(tree: DraftTree, chain: Sequence[int], proposer: str = "") -> DraftTree:
+def graft_chain(tree: DraftTree, chain: Sequence[int], proposer: str = "",
+                chain_values: Sequence[float] = ()) -> DraftTree:
     """The deterministic tree with the token chain hung below its root, sharing any prefix the tree
     already holds: siblings stay distinct tokens, as multi-candidate verification requires. New
-    nodes are credited to `proposer`; shared ones keep the proposer that drafted them first."""
+    nodes are credited to `proposer`; shared ones keep the proposer that drafted them first.
+
+    Where both the tree and the call give values (per chain token: how likely the chain is right up
+    to it), a new node takes its chain value and a shared node the larger of its two."""
     if tree.probs is not None:
         raise ValueError("only a deterministic tree can take a deterministic chain")
     tokens, parents = tree.tokens.tolist(), list(tree.parents)
     proposers = list(tree.proposers) or [""] * len(tokens)
+    valued = bool(tree.values) and len(chain_values) == len(chain)
+    values = list(tree.values) if valued else []
     children = tree_children(parents)
     node = 0
-    for token in chain:
+    for depth, token in enumerate(chain):
         same = [c for c in children[node] if tokens[c] == token]
         if same:
             node = same[0]
@@ -282,8 +291,28 @@ def graft_chain(tree: DraftTree, chain: Sequence[int], proposer: str = "") -> Dr
             children.append([])
             children[node].append(len(tokens) - 1)
             node = len(tokens) - 1
+            if valued:
+                values.append(0.0)
+        if valued:
+            values[node] = max(values[node], chain_values[depth])
     return DraftTree(torch.tensor(tokens, device=tree.tokens.device), tuple(parents), None, tree.without_replacement,
-                     tuple(proposers))
+                     tuple(proposers), tuple(values))
+
+
+def keep_best(tree: DraftTree, budget: int) -> DraftTree:
+    """The deterministic tree cut to its `budget` most valuable non-root nodes (closed under ancestors,
+    select_by_value); a node is worth no more than its parent, since it is accepted only after it. A tree
+    without values, or within the budget, is returned as it is."""
+    if not tree.values or len(tree) <= budget + 1:
+        return tree
+    values = list(tree.values)
+    for node in range(1, len(values)):
+        values[node] = min(values[node], values[tree.parents[node]])
+    kept = select_by_value(tree.parents, values, budget)
+    new_index = {old: new for new, old in enumerate(kept)}
+    return DraftTree(tree.tokens[kept], tuple(new_index[tree.parents[i]] if i else -1 for i in kept), None,
+                     tree.without_replacement, tuple(tree.proposers[i] for i in kept) if tree.proposers else (),
+                     tuple(values[i] for i in kept))
 
 
 class LookupGraftedDrafter:
@@ -299,15 +328,24 @@ class LookupGraftedDrafter:
     A chain is `lookup_tokens` or `store_tokens` long (None: the draft depth). A lookup chain longer
     than the head's tree costs a few extra nodes and pays where the answer copies its context for
     many tokens; a datastore chain is a guess from set phrases and is right for only a token or two.
+
+    With `max_nodes`, the merged tree keeps its `max_nodes` most valuable nodes (keep_best): the head's
+    nodes are worth their cumulative draft probability, a chain's their measured acceptance for the
+    length of the tail they matched (LOOKUP_ACCEPTANCE, STORE_ACCEPTANCE). Past about ten rows a CPU
+    verifies each extra node at nearly a full row's arithmetic, so a chain that copies from a strong
+    match keeps its depth while a weak one gives way (README, "Choosing the tree's nodes").
     """
 
     def __init__(self, base: TreeDrafter, name: str, store: Datastore | None = None,
-                 lookup_tokens: int | None = None, store_tokens: int | None = None):
+                 lookup_tokens: int | None = None, store_tokens: int | None = None, max_nodes: int | None = None):
+        if max_nodes is not None and max_nodes < 1:
+            raise ValueError(f"max_nodes must be at least 1, got {max_nodes}")
         self.base = base
         self.name = name
         self.store = store
         self.lookup_tokens = lookup_tokens
         self.store_tokens = store_tokens
+        self.max_nodes = max_nodes
 
     def prefill(self, ids: list[int]) -> None:
         self.base.prefill(ids)
@@ -325,12 +363,15 @@ class LookupGraftedDrafter:
         # in this order: a node two proposers share is credited to the head, then to prompt lookup
         lookup_tokens = depth if self.lookup_tokens is None else self.lookup_tokens
         store_tokens = depth if self.store_tokens is None else self.store_tokens
-        chains = {PromptLookupDrafter.name: lookup(ids, lookup_tokens),
-                  DatastoreDrafter.name: self.store.continuation(ids, store_tokens) if self.store else []}
-        for proposer, chain in chains.items():
+        found, matched = lookup_match(ids, lookup_tokens)
+        chains = {PromptLookupDrafter.name: (found, chain_acceptance(LOOKUP_ACCEPTANCE, matched, len(found)))}
+        if self.store is not None:
+            found, matched = self.store.continuation_match(ids, store_tokens)
+            chains[DatastoreDrafter.name] = (found, chain_acceptance(STORE_ACCEPTANCE, matched, len(found)))
+        for proposer, (chain, values) in chains.items():
             if chain:
-                tree = graft_chain(tree, chain, proposer)
-        return tree
+                tree = graft_chain(tree, chain, proposer, values)
+        return tree if self.max_nodes is None else keep_best(tree, self.max_nodes)
 
 
 def tree_step(target: CachedModel, drafter: TreeDrafter, ids: list[int], depth: int,

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -5,6 +7,7 @@ import engine.verify
 from engine.cache import TREE_SLOT, CachedModel
 from engine.decode import GenerationConfig, generate
 from engine.drafters.datastore import Datastore
+from engine.drafters.lookup import chain_acceptance, lookup_match
 from engine.events import StepEvent, Summary, TokenEvent
 from engine.sampling import SamplingParams
 from engine.selftest import check_tree_exactness
@@ -17,6 +20,7 @@ from engine.tree import (
     node_depths,
     select_by_value,
     graft_chain,
+    keep_best,
     tree_attention,
 )
 from engine.verify import verify_tree, verify_tree_greedy
@@ -131,6 +135,52 @@ def test_graft_chain_credits_new_nodes_to_their_proposer():
     assert graft_chain(DraftTree(torch.tensor([0]), (-1,), None), [4], "lookup").proposers == ("", "lookup")
 
 
+def test_graft_chain_values_new_nodes_by_the_chain_and_shared_ones_by_the_larger():
+    tree = DraftTree(torch.tensor([5, 1, 2, 3]), (-1, 0, 0, 1), None, values=(1.0, 0.6, 0.3, 0.2))
+    grafted = graft_chain(tree, [2, 8, 9], "lookup", [0.5, 0.4, 0.1])
+    assert grafted.tokens.tolist() == [5, 1, 2, 3, 8, 9]
+    assert grafted.values == (1.0, 0.6, 0.5, 0.2, 0.4, 0.1)
+    assert graft_chain(tree, [2, 8], "lookup").values == ()  # a chain without values leaves the tree unranked
+
+
+def test_keep_best_keeps_the_most_valuable_nodes_closed_under_ancestors():
+    # 0 -> {1 -> 3 -> 5, 2 -> 4}; node 5's value exceeds its parent's, so it counts as its parent's
+    tree = DraftTree(torch.tensor([7, 1, 2, 3, 4, 5]), (-1, 0, 0, 1, 2, 3), None,
+                     proposers=("", "eagle", "lookup", "eagle", "lookup", "eagle"), values=(1.0, 0.9, 0.5, 0.4, 0.45, 0.8))
+    best = keep_best(tree, 3)
+    assert best.tokens.tolist() == [7, 1, 2, 4] and best.parents == (-1, 0, 0, 2)
+    assert best.proposers == ("", "eagle", "lookup", "lookup") and best.values == (1.0, 0.9, 0.5, 0.45)
+    assert keep_best(tree, 4).tokens.tolist() == [7, 1, 2, 3, 4]  # node 5 (worth 0.4 after its parent) is last
+    unranked = replace(tree, values=())
+    assert keep_best(tree, 5) is tree and keep_best(unranked, 2) is unranked
+
+
+def test_lookup_grafted_drafter_cuts_the_merged_tree_to_its_best_nodes():
+    class Head:  # a deterministic dynamic tree of four unlikely nodes below the root
+        name = "head"
+
+        def propose_tree(self, ids, depth, params, generator):
+            return DraftTree(torch.tensor([ids[-1], 30, 31, 32, 33]), (-1, 0, 0, 1, 2), None,
+                             values=(1.0, 0.2, 0.1, 0.05, 0.01))
+
+    ids = [1, 2, 3, 4, 5, 6, 1, 2, 3]  # the tail 1 2 3 matched 3 tokens: a strong lookup chain 4 5 6 1 2 3
+    full = LookupGraftedDrafter(Head(), "grafted", lookup_tokens=6).propose_tree(ids, 4, SamplingParams(), None)
+    assert len(full) == 11
+    cut = LookupGraftedDrafter(Head(), "grafted", lookup_tokens=6, max_nodes=7).propose_tree(ids, 4, SamplingParams(), None)
+    assert cut.tokens.tolist() == [3, 30, 4, 5, 6, 1, 2, 3]  # the whole chain, then the head's best node
+    assert cut.proposers == ("", "head", *["lookup"] * 6)
+    assert cut.parents == (-1, 0, 0, 2, 3, 4, 5, 6)
+
+
+def test_lookup_match_reports_the_matched_tail_length():
+    assert lookup_match([1, 2, 3, 9, 1, 2, 3], 2) == ([9, 1], 3)
+    assert lookup_match([5, 2, 9, 4, 2], 3) == ([9, 4, 2], 1)
+    assert lookup_match([1, 2, 3], 2) == ([], 0)
+    assert chain_acceptance({1: (0.5, 0.2), 3: (0.9, 0.8, 0.7)}, 3, 5) == [0.9, 0.8, 0.7, 0.7, 0.7]
+    assert chain_acceptance({1: (0.5, 0.2), 3: (0.9, 0.8, 0.7)}, 4, 1) == [0.9]  # longer matches: the longest row
+    assert chain_acceptance({1: (0.5,)}, 0, 2) == [0.0, 0.0]
+
+
 def test_static_shape_from_paths():
     shape = TreeShape.from_paths(MEDUSA_PATHS)
     assert shape.parents == (-1, 0, 0, 1, 1, 2, 3)
@@ -170,8 +220,8 @@ class _HashedDrafter(DraftModelTreeDrafter):
             rows.append(torch.randn(self.vocab, generator=gen) * 3)  # peaked, so values fall fast
         return torch.stack(rows)
 
-    def _tree(self, tokens, parents, rows, without_replacement):
-        return DraftTree(torch.tensor(tokens), tuple(parents), None, without_replacement)
+    def _tree(self, tokens, parents, rows, without_replacement, values=()):
+        return DraftTree(torch.tensor(tokens), tuple(parents), None, without_replacement, (), values)
 
 
 def _fully_grown_tree(drafter, ids, depth):

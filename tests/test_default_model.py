@@ -121,4 +121,5 @@ def test_head_methods_use_the_device_tree_budget(engine):
     eagle = engine.drafter("eagle")
     assert (eagle.budget, eagle.top_k) == (4, 2)
     assert engine.drafter("eagle_lookup").base is eagle  # one EAGLE drafter, with or without lookup
+    assert engine.drafter("eagle_lookup").max_nodes == 10  # the merged tree cut where a CPU's verify cost bends
     assert len(engine.drafter("medusa").shape.parents) == 1 + 4  # a sparse tree of 4 nodes below the root

@@ -195,7 +195,7 @@ def _load_datastore(folder: Path) -> Datastore:
 LOOKUP_CHAIN_TOKENS = 8
 STORE_CHAIN_TOKENS = 2
 # On a CPU, eagle_lookup's merged tree keeps its 10 most valuable nodes (or the asked budget, if larger):
-# two cores verified 11 tokens in 1.26 forwards of one and each token past that at about 0.08 more
+# two cores verified 11 tokens in 1.28 forwards of one and each token past that at about 0.08 more
 # (README, "Choosing the tree's nodes"). A GPU verifies a few dozen at about the cost of one: no cut there.
 CPU_TREE_NODES = 10
 

@@ -250,10 +250,7 @@ class DraftModelTreeDrafter:
             ranked = sorted(values[1:], reverse=True)
             if not frontier or (len(ranked) >= self.budget and ranked[self.budget - 1] >= values[frontier[0]]):
                 break
-        kept = select_by_value(parents, values, self.budget)
-        new_index = {old: new for new, old in enumerate(kept)}
-        return self._tree([tokens[i] for i in kept], [new_index[parents[i]] if i else -1 for i in kept], None, False,
-                          tuple(values[i] for i in kept))
+        return keep_best(self._tree(tokens, parents, None, False, tuple(values)), self.budget)
 
     def _tree(self, tokens: list[int], parents: list[int], rows: list | None, without_replacement: bool,
               values: tuple[float, ...] = ()) -> DraftTree:

@@ -38,7 +38,7 @@
 namespace {
 
 constexpr int64_t kPanel = 16;  // output columns per panel: one 64-byte line of weights per k
-constexpr int64_t kGroup = 64;  // output columns per work item handed to a thread
+constexpr int64_t kGroup = 64;  // panels are padded to whole groups of output columns (every tile width fits)
 constexpr int64_t kPrefetch = 32;  // k steps ahead to prefetch each panel stream (2 KB)
 constexpr int64_t kMaxHeads = 8;  // attention: query heads of one key/value group handled together
 constexpr int64_t kSpan = 32;  // attention: keys whose value rows every head of a group takes in turn
@@ -116,22 +116,19 @@ void rows(const float* xt, int64_t M, const W* w, int64_t K, const float* bias, 
   }
 }
 
-// One group of 64 output columns: as many panels side by side as the row count leaves registers for
-// (4 x 6, 2 x 12 or 1 x 24 accumulators of 16 floats). One or two rows take one panel at a time: a
-// single stream from memory read as fast as four side by side there (and the AVX2 path does so too).
+// Panels side by side in one tile: as many as the row count leaves registers for (4 x 6, 2 x 12 or
+// 1 x 24 accumulators of 16 floats). One or two rows take one panel at a time: a single stream from
+// memory read as fast as four side by side there (and the AVX2 path does so too).
+inline int64_t tile_panels(int64_t M) { return M <= 2 ? 1 : M <= 6 ? 4 : M <= 12 ? 2 : 1; }
+
+// One work item: the output columns [0, cols) of tile_panels(M) panels, for all M rows.
 template <typename W>
-void group(const float* xt, int64_t M, const W* w, int64_t K, const float* bias, float* out, int64_t ldo,
-           int64_t cols) {
-  const int64_t width = M <= 2 ? 1 : M <= 6 ? 4 : M <= 12 ? 2 : 1;  // panels per tile
-  for (int64_t p = 0; p < kGroup / kPanel; p += width) {
-    const W* wp = w + p * K * kPanel;
-    const float* bp = bias ? bias + p * kPanel : nullptr;
-    float* op = out + p * kPanel;
-    const int64_t left = cols - p * kPanel;
-    if (left <= 0) break;
-    if (width == 4) rows<4, 6>(xt, M, wp, K, bp, op, ldo, left);
-    else if (width == 2) rows<2, 12>(xt, M, wp, K, bp, op, ldo, left);
-    else rows<1, 24>(xt, M, wp, K, bp, op, ldo, left);
+void span(const float* xt, int64_t M, const W* w, int64_t K, const float* bias, float* out, int64_t ldo,
+          int64_t cols) {
+  switch (tile_panels(M)) {
+    case 4: rows<4, 6>(xt, M, w, K, bias, out, ldo, cols); break;
+    case 2: rows<2, 12>(xt, M, w, K, bias, out, ldo, cols); break;
+    default: rows<1, 24>(xt, M, w, K, bias, out, ldo, cols); break;
   }
 }
 
@@ -174,24 +171,22 @@ void tile(const float* xt, int64_t ldx, const W* w, int64_t K, const float* bias
   }
 }
 
+inline int64_t tile_panels(int64_t) { return 1; }
+
+// One work item: the output columns [0, cols) of one panel, for all M rows in tiles of up to 6.
 template <typename W>
-void group(const float* xt, int64_t M, const W* w, int64_t K, const float* bias, float* out, int64_t ldo,
-           int64_t cols) {
-  for (int64_t p = 0; p < kGroup / kPanel && p * kPanel < cols; ++p) {
-    for (int64_t r0 = 0; r0 < M; r0 += 6) {
-      const float* x = xt + r0;
-      const W* wp = w + p * K * kPanel;
-      const float* bp = bias ? bias + p * kPanel : nullptr;
-      float* o = out + r0 * ldo + p * kPanel;
-      const int64_t left = cols - p * kPanel;
-      switch (std::min<int64_t>(6, M - r0)) {
-        case 1: tile<1>(x, M, wp, K, bp, o, ldo, left); break;
-        case 2: tile<2>(x, M, wp, K, bp, o, ldo, left); break;
-        case 3: tile<3>(x, M, wp, K, bp, o, ldo, left); break;
-        case 4: tile<4>(x, M, wp, K, bp, o, ldo, left); break;
-        case 5: tile<5>(x, M, wp, K, bp, o, ldo, left); break;
-        default: tile<6>(x, M, wp, K, bp, o, ldo, left); break;
-      }
+void span(const float* xt, int64_t M, const W* w, int64_t K, const float* bias, float* out, int64_t ldo,
+          int64_t cols) {
+  for (int64_t r0 = 0; r0 < M; r0 += 6) {
+    const float* x = xt + r0;
+    float* o = out + r0 * ldo;
+    switch (std::min<int64_t>(6, M - r0)) {
+      case 1: tile<1>(x, M, w, K, bias, o, ldo, cols); break;
+      case 2: tile<2>(x, M, w, K, bias, o, ldo, cols); break;
+      case 3: tile<3>(x, M, w, K, bias, o, ldo, cols); break;
+      case 4: tile<4>(x, M, w, K, bias, o, ldo, cols); break;
+      case 5: tile<5>(x, M, w, K, bias, o, ldo, cols); break;
+      default: tile<6>(x, M, w, K, bias, o, ldo, cols); break;
     }
   }
 }
@@ -472,12 +467,15 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, const 
   const float* xp = M > 1 ? transposed.data() : xs;
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  const int64_t groups = (N + kGroup - 1) / kGroup;
+  // Work items of one tile's columns each, so that the threads split even the narrow products (576
+  // columns are 9 groups of 64, which two threads would have split 5 to 4)
+  const int64_t width = kPanel * tile_panels(M);
+  const int64_t items = (N + width - 1) / width;
   const auto run = [&](const auto* wp) {
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g) {
-        group(xp, M, wp + g * K * kGroup, K, bp ? bp + g * kGroup : nullptr, op + g * kGroup, N,
-              std::min<int64_t>(kGroup, N - g * kGroup));
+    at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        span(xp, M, wp + i * K * width, K, bp ? bp + i * width : nullptr, op + i * width, N,
+             std::min<int64_t>(width, N - i * width));
       }
     });
   };

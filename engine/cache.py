@@ -194,11 +194,15 @@ class CachedModel:
         if any(not 0 < node < len(self.cached_ids) - root for node in path):
             raise ValueError(f"path {path} is not inside the cached tree")
         if path != list(range(1, len(path) + 1)):  # a path along the first nodes is in place already
-            src = torch.tensor([root + node for node in path], device=self.device)
-            dst = torch.arange(root + 1, root + 1 + len(path), device=self.device)
-            for layer in self._cache.layers:
-                layer.keys[:, :, dst] = layer.keys[:, :, src]  # [B, H, len(path), D]
-                layer.values[:, :, dst] = layer.values[:, :, src]
+            src = [root + node for node in path]
+            dst = list(range(root + 1, root + 1 + len(path)))
+            if self.lean is not None:  # every layer an AppendLayer whose buffers the lean forward filled
+                self.lean.kernel.move_rows([buffer for layer in self._cache.layers for buffer in layer.buffers], src, dst)
+            else:
+                src, dst = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+                for layer in self._cache.layers:
+                    layer.keys[:, :, dst] = layer.keys[:, :, src]  # [B, H, len(path), D]
+                    layer.values[:, :, dst] = layer.values[:, :, src]
         drop = len(self.cached_ids) - (root + 1 + len(path))
         if drop:
             self._cache.crop(-drop)

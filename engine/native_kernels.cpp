@@ -710,6 +710,29 @@ std::vector<torch::Tensor> decoder(torch::Tensor x, const torch::Tensor& cos, co
   return {logits, keep_hidden ? hidden : torch::empty({0, H}, x.options())};
 }
 
+// After a tree's verification, in each KV cache buffer [B, G, capacity, D] (contiguous float32): row
+// dst[i] takes row src[i], for i in order. Both ascend and dst[i] <= src[i] (the accepted path moves
+// towards the root), so no row is overwritten before it is read. One call for every layer's keys and
+// values, where a Python loop spent two indexing ops per buffer.
+void move_rows(const std::vector<torch::Tensor>& buffers, const std::vector<int64_t>& src,
+               const std::vector<int64_t>& dst) {
+  TORCH_CHECK(src.size() == dst.size(), "move_rows: src and dst differ in length");
+  for (size_t i = 0; i < src.size(); ++i)
+    TORCH_CHECK(0 <= dst[i] && dst[i] <= src[i] && (i == 0 || (src[i - 1] < src[i] && dst[i - 1] < dst[i])),
+                "move_rows: rows must ascend and move towards the start");
+  for (const auto& buffer : buffers) {
+    TORCH_CHECK(buffer.dim() == 4 && buffer.is_contiguous() && buffer.scalar_type() == torch::kFloat32 &&
+                    buffer.device().is_cpu() && (src.empty() || src.back() < buffer.size(2)),
+                "move_rows: a buffer is not a contiguous float32 CPU [B, G, capacity, D] holding these rows");
+    const int64_t planes = buffer.size(0) * buffer.size(1), capacity = buffer.size(2), D = buffer.size(3);
+    float* p = buffer.data_ptr<float>();
+    for (int64_t plane = 0; plane < planes; ++plane)
+      for (size_t i = 0; i < src.size(); ++i)
+        if (src[i] != dst[i])
+          std::memcpy(p + (plane * capacity + dst[i]) * D, p + (plane * capacity + src[i]) * D, D * sizeof(float));
+  }
+}
+
 std::string isa() { return kIsa; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -718,5 +741,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [..., K] @ W^T (+ bias) from packed panels");
   m.def("attention", &attention, "batch-invariant attention of q [T, H, D] over k, v [G, S, D]");
   m.def("decoder", &decoder, "a Llama decoder stack, its final norm and LM head, on these kernels");
+  m.def("move_rows", &move_rows, "move KV cache rows towards the start in every buffer [B, G, capacity, D]");
   m.def("isa", &isa, "the instruction set this build uses");
 }

@@ -68,6 +68,29 @@ def test_lean_forward_computes_hfs_forward():
 
 
 @needs_native
+def test_keeping_a_tree_path_moves_the_rows_in_every_buffer_exactly():
+    """The lean cache keeps a tree's accepted path with one native call (move_rows); it leaves every
+    layer's keys and values bit for bit as the indexing path does."""
+    model = _native_tiny(seed=3)
+    ids = tiny_tokenizer()(PROMPT)["input_ids"]
+    tree, parents = [ids[-1], ids[0], ids[1], ids[2], ids[3], ids[4]], [-1, 0, 0, 2, 2, 4]
+    native_path, torch_path = CachedModel(model), CachedModel(model)
+    for lm in (native_path, torch_path):
+        lm.prefill(ids)
+        lm.forward_tree(ids, tree, parents)
+    torch_path.lean = None  # keep_tree_path's indexing fallback on the same buffers
+    native_path.keep_tree_path(tree, [2, 4, 5])
+    torch_path.keep_tree_path(tree, [2, 4, 5])
+    assert native_path.cached_ids == torch_path.cached_ids == ids[:-1] + [ids[-1], ids[1], ids[3], ids[4]]
+    for a, b in zip(native_path._cache.layers, torch_path._cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    before = native_path._cache.layers[0].keys.clone()
+    with pytest.raises(RuntimeError, match="ascend"):  # a row moved away from the start is refused
+        native.move_rows([layer.buffers[0] for layer in native_path._cache.layers], [3], [4])
+    assert torch.equal(native_path._cache.layers[0].keys, before)
+
+
+@needs_native
 def test_lean_forward_is_batch_invariant_and_grows_its_cache():
     """A long prompt (past the cache's first 256 slots, so its buffers grow mid-way), then a block: every
     row bit for bit what one-token decoding gives."""

@@ -68,7 +68,8 @@ class TrainOptions:
     unroll: int = 1
     init_from_target: bool = False  # EAGLE: the decoder layer starts as a copy of the target's last layer
     init_from: str = ""  # a trained head folder of this kind to start from (to continue on more data)
-    draft_vocab: int = 8192  # EAGLE: draft only the N most frequent answer tokens (0: the whole vocabulary)
+    # EAGLE, and Medusa heads sharing the target's LM head: draft only the N most frequent answer tokens (0: all)
+    draft_vocab: int = 8192
     medusa_heads: int = 4
     medusa_layers: int = 1
     medusa_tree_nodes: int = 24  # Medusa: nodes of the sparse tree built from the heads' measured accuracy
@@ -553,6 +554,7 @@ def new_head(kind: str, model, options: TrainOptions):
         if len(heads) != options.medusa_heads or layers != options.medusa_layers:
             raise ValueError(f"{options.init_from}: {len(heads)} Medusa heads of {layers} layer(s), not the "
                              f"{options.medusa_heads} of {options.medusa_layers} asked for")
+        heads.draft_vocab = None  # chosen again from this run's data
         return heads.train()
     return MedusaHeads(config.hidden_size, config.vocab_size, num_heads=options.medusa_heads,
                        num_layers=options.medusa_layers, shared_lm_head=True)
@@ -847,9 +849,12 @@ def run(options: TrainOptions) -> dict:
         head.config["medusa_rank_accuracy"] = [[round(a, 4) for a in row] for row in accuracy]
         head.config["medusa_choices"] = [list(p) for p in sparse_tree_paths(accuracy, options.medusa_tree_nodes)]
     coverage = None
-    if options.kind == "eagle" and options.draft_vocab:
+    if options.draft_vocab and (options.kind == "eagle" or head.shared_lm_head):
         head.draft_vocab, coverage = draft_vocabulary(samples, options.draft_vocab)
-        head.config.speclens_draft_vocab_coverage = round(coverage, 5)
+        if options.kind == "eagle":
+            head.config.speclens_draft_vocab_coverage = round(coverage, 5)
+        else:
+            head.config["speclens_draft_vocab_coverage"] = round(coverage, 5)
     head.save(out)
     tau = evaluate_tau(model, tokenizer, held_ids, engine.eos_ids, head, options)
     n_steps = options.epochs * len(pack(samples, list(range(len(samples))), options.tokens_per_step))

@@ -123,3 +123,7 @@ def test_head_methods_use_the_device_tree_budget(engine):
     assert engine.drafter("eagle_lookup").base is eagle  # one EAGLE drafter, with or without lookup
     assert engine.drafter("eagle_lookup").max_nodes == 10  # the merged tree cut where a CPU's verify cost bends
     assert len(engine.drafter("medusa").shape.parents) == 1 + 4  # a sparse tree of 4 nodes below the root
+    # the shipped heads draft from the 8192 most frequent answer tokens: a sixth of the LM head per step
+    hidden = torch.zeros(1, engine.target.model.config.hidden_size)
+    with torch.inference_mode():
+        assert engine.drafter("medusa").lm_head(hidden).shape == engine.drafter("eagle")._rows(hidden).shape == (1, 8192)

@@ -99,6 +99,54 @@ def test_medusa_shared_lm_head_roundtrip_and_greedy_equality(tmp_path, target_mo
     assert list(summary.token_ids) == hf_greedy(target_model, _prompt_ids(), n)
 
 
+def test_medusa_draft_vocabulary_scores_only_its_tokens_and_stays_exact(tmp_path, target_model):
+    h, v = target_model.config.hidden_size, target_model.config.vocab_size
+    torch.manual_seed(7)
+    heads = MedusaHeads(h, v, num_heads=3, shared_lm_head=True)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.5)
+    vocab = torch.arange(0, v, 3)  # every third token id
+    heads.draft_vocab = vocab
+    heads.save(tmp_path / "vocab")
+    loaded = MedusaHeads.load(tmp_path / "vocab", h, v)
+    assert torch.equal(loaded.draft_vocab, vocab)
+
+    ids = _prompt_ids()
+    target = CachedModel(target_model)
+    shape = TreeShape.from_paths(PATHS)
+    drafter = MedusaDrafter(loaded, target, shape)
+    target.prefill(ids)
+    tree = drafter.propose_tree(ids, 3, SamplingParams(), None)
+    # rank 0 at each depth: the best token of the draft vocabulary under the full heads' logits
+    with torch.no_grad():
+        hidden = target.hidden_at(len(ids) - 2, len(ids) - 1)[0]
+        full = heads(hidden, target_model.get_output_embeddings())  # [heads, V]
+    best = vocab[full[:, vocab].argmax(-1)].tolist()
+    paths = shape.truncated(3).paths
+    assert len(tree.tokens) == 1 + len(paths)
+    for path, token in zip(paths, tree.tokens[1:].tolist()):
+        assert token % 3 == 0
+        if path[-1] == 0:
+            assert token == best[len(path) - 1]
+
+    n = 30
+    target = CachedModel(target_model)
+    drafter = MedusaDrafter(loaded, target, shape)
+    _, summary = _run(target, drafter, GenerationConfig(method="medusa", k=3, max_new_tokens=n))
+    assert list(summary.token_ids) == hf_greedy(target_model, _prompt_ids(), n)
+    penalised = GenerationConfig(method="medusa", k=3, max_new_tokens=n,
+                                 sampling=SamplingParams(temperature=0.7, repetition_penalty=1.3), seed=2)
+    _, summary = _run(CachedModel(target_model), MedusaDrafter(loaded, CachedModel(target_model), shape), penalised)
+    assert summary.new_tokens == n
+
+    own = _random_medusa(target_model, num_heads=2)  # heads with their own projections take no draft vocabulary
+    own.draft_vocab = vocab
+    own.save(tmp_path / "own")
+    with pytest.raises(ValueError, match="share the target's LM head"):
+        MedusaHeads.load(tmp_path / "own", h, v)
+
+
 def _random_eagle(model, seed=4):
     torch.manual_seed(seed)
     head = EagleHead.for_target(model.config)
@@ -276,12 +324,13 @@ def test_train_drafter_end_to_end_on_a_tiny_target(tmp_path, target_model, kind)
         with torch.inference_mode():
             fresh = target_model(input_ids=sample["tokens"][None], output_hidden_states=True).hidden_states[-1][0]
         torch.testing.assert_close(sample["features"].float(), fresh, atol=0.05, rtol=0.02)
-    if kind == "eagle":
-        vocab = EagleHead.load(out).draft_vocab
-        trained_on = distilled + torch.load(extra, weights_only=True)
-        answers = {int(t) for s in trained_on for t in s["tokens"][int(s["answer_start"]) :]}
-        assert vocab is not None and set(vocab.tolist()) == answers
-        assert "draft vocabulary" in (out / "README.md").read_text()
+    # both kinds draft from the answers' tokens (these Medusa heads share the target's LM head)
+    h, v = target_model.config.hidden_size, target_model.config.vocab_size
+    vocab = (EagleHead.load(out) if kind == "eagle" else MedusaHeads.load(out, h, v)).draft_vocab
+    trained_on = distilled + torch.load(extra, weights_only=True)
+    answers = {int(t) for s in trained_on for t in s["tokens"][int(s["answer_start"]) :]}
+    assert vocab is not None and set(vocab.tolist()) == answers
+    assert "draft vocabulary" in (out / "README.md").read_text()
     record = json.loads((out / "training.json").read_text())
     assert len(record["history"]) == 2
     assert all(0.0 <= epoch["held_out_top1"] <= 1.0 for epoch in record["history"])

@@ -10,7 +10,10 @@ Checkpoint layout (as published): config.json with medusa_num_heads, medusa_num_
 base_model_name_or_path; weights in medusa_lm_head.pt (loaded with weights_only=True) or
 model.safetensors, keys "{head}.{layer}.linear.weight|bias" and "{head}.{medusa_num_layers}.weight".
 With "medusa_shared_lm_head": true in config.json the heads reuse the target's LM head (no
-"{head}.{medusa_num_layers}.weight" keys), which keeps small-target checkpoints small.
+"{head}.{medusa_num_layers}.weight" keys), which keeps small-target checkpoints small. Such a checkpoint
+may also hold "draft_vocab" [N] (ours, as for EAGLE heads): the token ids the heads may draft. Scoring
+only those rows of the shared LM head streams a sixth of its weights per step for N = 8192 of 49152;
+exactness never depends on it (a draft outside the target's choice is simply rejected).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class MedusaHeads(nn.ModuleList):
             for _ in range(num_heads)
         )
         self.shared_lm_head = shared_lm_head
+        self.draft_vocab: torch.Tensor | None = None  # [N] long: token ids the heads draft (None: all)
         self.config = {"medusa_num_heads": num_heads, "medusa_num_layers": num_layers, "hidden_size": hidden,
                        "vocab_size": vocab, "medusa_shared_lm_head": shared_lm_head}
 
@@ -81,7 +85,14 @@ class MedusaHeads(nn.ModuleList):
             state = load_file(folder / "model.safetensors")
         else:
             state = torch.load(folder / "medusa_lm_head.pt", map_location="cpu", weights_only=True)
+        draft_vocab = state.pop("draft_vocab", None)
         heads.load_state_dict({k: v.float() for k, v in state.items()})
+        if draft_vocab is not None:
+            if not heads.shared_lm_head:
+                raise ValueError("draft_vocab needs heads that share the target's LM head")
+            if draft_vocab.dim() != 1 or not 0 < len(draft_vocab) <= vocab:
+                raise ValueError(f"draft_vocab must list 1..{vocab} token ids")
+            heads.draft_vocab = draft_vocab.long()
         heads.config.update({k: v for k, v in config.items() if k not in heads.config})
         return heads.eval()
 
@@ -91,7 +102,10 @@ class MedusaHeads(nn.ModuleList):
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text(json.dumps(self.config, indent=2))
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, folder / "model.safetensors")
+        state = {k: v.contiguous() for k, v in self.state_dict().items()}
+        if self.draft_vocab is not None:
+            state["draft_vocab"] = self.draft_vocab.contiguous()
+        save_file(state, folder / "model.safetensors")
 
 
 def sparse_tree_paths(accuracy: list[list[float]], n_nodes: int) -> list[tuple[int, ...]]:
@@ -124,9 +138,15 @@ class MedusaDrafter(StatelessDrafter):
         self.dtype = drafting_dtype(target.model)
         self.heads = drafter_module(heads, target.model)
         self.lm_head = None  # the heads' own projections, or (shared) the target's LM head in drafting precision
+        self._vocab = None  # the token ids the shared LM head's rows score (None: all)
         if heads.shared_lm_head:
             lm_head = target.model.get_output_embeddings()
-            self.lm_head = drafter_linear(target.model, lm_head.weight, getattr(lm_head, "bias", None))
+            weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+            vocab = heads.draft_vocab
+            if vocab is not None and vocab.numel() < target.n_vocab:
+                self._vocab = vocab[vocab < target.n_vocab].to(target.device)  # [N]
+                weight, bias = weight[self._vocab], None if bias is None else bias[self._vocab]
+            self.lm_head = drafter_linear(target.model, weight, bias)
         self.target = target
         self.shape = shape
         self.name = name
@@ -140,7 +160,13 @@ class MedusaDrafter(StatelessDrafter):
         hidden = self.target.hidden_at(len(ids) - 2, len(ids) - 1)  # [1, H]: its logits chose ids[-1]
         if hidden is None:
             return DraftTree(torch.tensor([ids[-1]], device=self.target.device), (-1,), None)
-        logits = self.heads(hidden[0].to(self.dtype), self.lm_head)[:, : self.target.n_vocab]  # [heads, V]
+        logits = self.heads(hidden[0].to(self.dtype), self.lm_head)  # [heads, V], or [heads, N] over _vocab
+        if self._vocab is None:
+            logits = logits[:, : self.target.n_vocab]
+        else:  # the draft vocabulary's scores in full rows, so penalties and warping see the token ids
+            full = logits.new_full((logits.shape[0], self.target.n_vocab), float("-inf"))
+            full[:, self._vocab] = logits
+            logits = full
         history = torch.tensor(ids, device=logits.device)
         scores = process_logits(logits.float(), params, history, history[:0])  # [heads, V]; ranks only
         n_ranks = 1 + max(shape.ranks)

@@ -82,21 +82,25 @@ def decoder_layers_fit(layers, config) -> bool:
     """Whether `decoder` can run these HF Llama decoder layers: every linear native and without bias, SiLU."""
     linears = [getattr(layer.self_attn, name) for layer in layers for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     linears += [getattr(layer.mlp, name) for layer in layers for name in ("gate_proj", "up_proj", "down_proj")]
+    stacked = [(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj) for layer in layers]
+    stacked += [(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in layers]
     return (config.hidden_act == "silu" and getattr(config, "pretraining_tp", 1) == 1
             and all(type(linear) is NativeLinear and linear.bias is None and hasattr(linear.kernel, "decoder")
-                    for linear in linears))
+                    for linear in linears)
+            # a stacked product reads one format: float32, bfloat16 or 4-bit blocks for all its linears
+            and all(len({linear.panels.dtype for linear in group}) == 1 for group in stacked))
 
 
 def _stack(*linears: NativeLinear) -> tuple[torch.Tensor, ...]:
     """The panels of linears over one input stacked into one product, and the first column of each
     linear after the first (panels pad to 64 columns). Each linear's panels become a view of the stack,
     so the weights are not held twice."""
-    panels = torch.cat([linear.panels for linear in linears])  # [P, in, 16]
+    panels = torch.cat([linear.panels for linear in linears])  # [P, ...]: 16 output columns a panel
     starts, start = [], 0
     for linear in linears:
         count = linear.panels.shape[0]
         linear.panels = panels[start : start + count]
-        starts.append(start * panels.shape[2])
+        starts.append(start * 16)
         start += count
     return (panels, *starts[1:])
 
@@ -115,7 +119,8 @@ def lean_forward_for(model: nn.Module) -> LeanLlamaForward | None:
     head = model.lm_head
     if (type(head) is not NativeLinear or head.bias is not None or type(inner.embed_tokens) is not nn.Embedding
             or not decoder_layers_fit(layers, config)
-            or any(linear.panels.dtype != torch.float32 for linear in (head, layers[0].self_attn.q_proj))):
+            or head.panels.dtype != torch.float32
+            or any(layer.self_attn.q_proj.panels.dtype not in (torch.float32, torch.uint8) for layer in layers)):
         return None
     lean = LeanLlamaForward(model)
     model._speclens_lean_forward = lean

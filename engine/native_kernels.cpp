@@ -15,6 +15,13 @@
 // whether it is computed alone or inside a block of any size. Verification therefore scores a
 // drafted token with exactly the numbers plain decoding would have computed for it.
 //
+// 4-bit blocks (AVX-512 builds): a weight whose every 32 consecutive inputs of an output hold
+// m + d * q exactly (q = 0..15; d, m half precision: what a Q4_1 GGUF dequantises to, as the embedded
+// default's decoder does) can be packed as those q, d and m, 5 bits a weight instead of 32. The kernel
+// rebuilds each weight as fma(d, q, m), which is m + d * q exactly (d * q needs 15 bits), and runs the
+// same FMA chain as the float32 panels: the outputs are bit for bit those of the float32 weights.
+// Python packs (engine/native_kernels.py, pack_blocks) only weights it has checked to rebuild exactly.
+//
 // Attention: out[t, h] = softmax_j(scale * q[h, t] . k[g, j]) v[g, j] over the keys j that query t may
 // see (its mask row, or causally), with g = h / (H / G) (grouped-query attention read in place).
 // Batch invariant as well: a query's keys are taken in cache order with the masked ones skipped, and
@@ -42,6 +49,7 @@ constexpr int64_t kGroup = 64;  // panels are padded to whole groups of output c
 constexpr int64_t kPrefetch = 32;  // k steps ahead to prefetch each panel stream (2 KB)
 constexpr int64_t kMaxHeads = 8;  // attention: query heads of one key/value group handled together
 constexpr int64_t kSpan = 32;  // attention: keys whose value rows every head of a group takes in turn
+constexpr int64_t kBlockBytes = 320;  // 4-bit blocks: bytes per panel per 32 k (16 d, 16 m, 32 x 8 of nibbles)
 
 #if defined(__AVX512F__)
 
@@ -132,6 +140,89 @@ void span(const float* xt, int64_t M, const W* w, int64_t K, const float* bias, 
   }
 }
 
+// ---- 4-bit blocks ----
+// Per panel, per 32 k: 16 d then 16 m (half precision, one per column), then for each k 8 bytes whose
+// byte j holds column j's q in its low nibble and column j + 8's in its high one.
+constexpr bool kBlocks = true;
+
+template <int MR, int NV>
+void block_tile(const float* xt, int64_t ldx, const uint8_t* w, int64_t K, float* out, int64_t ldo, int64_t cols) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 24
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t stride = K / 32 * kBlockBytes;  // one panel's bytes
+  const __m512i shifts = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);  // lanes 8-15: high nibbles
+  const __m512i nibble = _mm512_set1_epi32(15);
+  for (int64_t kb = 0; kb < K / 32; ++kb) {
+    __m512 d[NV], m[NV];
+    const uint8_t* block[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      block[j] = w + j * stride + kb * kBlockBytes;
+      d[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block[j])));
+      m[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block[j] + 32)));
+      for (int64_t line = 0; line < kBlockBytes; line += 64)  // three blocks (~1 KB) ahead
+        _mm_prefetch(reinterpret_cast<const char*>(block[j] + 3 * kBlockBytes + line), _MM_HINT_T0);
+    }
+#pragma GCC unroll 2
+    for (int kk = 0; kk < 32; ++kk) {
+      const int64_t k = kb * 32 + kk;
+      __m512 b[NV];
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block[j] + 64 + kk * 8));
+        const __m512i q = _mm512_and_si512(
+            _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(bytes, bytes)), shifts), nibble);
+        b[j] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(q), m[j]);  // = m + d q, exactly
+      }
+#pragma GCC unroll 24
+      for (int r = 0; r < MR; ++r) {
+        const __m512 a = _mm512_set1_ps(xt[k * ldx + r]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(a, b[j], acc[r][j]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < NV; ++j) {
+    const __mmask16 mask = column_mask(cols - 16 * j);
+#pragma GCC unroll 24
+    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ldo + 16 * j, mask, acc[r][j]);
+  }
+}
+
+template <int NV, int MAXR>
+void block_rows(const float* xt, int64_t M, const uint8_t* w, int64_t K, float* out, int64_t ldo, int64_t cols) {
+  for (int64_t r0 = 0; r0 < M; r0 += MAXR) {
+    const float* x = xt + r0;
+    float* o = out + r0 * ldo;
+    switch (std::min<int64_t>(MAXR, M - r0)) {
+#define SPECLENS_TILE(n) \
+  case n:                \
+    if constexpr (n <= MAXR) block_tile<n, NV>(x, M, w, K, o, ldo, cols); \
+    break;
+      SPECLENS_TILE(1) SPECLENS_TILE(2) SPECLENS_TILE(3) SPECLENS_TILE(4) SPECLENS_TILE(5) SPECLENS_TILE(6)
+      SPECLENS_TILE(7) SPECLENS_TILE(8) SPECLENS_TILE(9) SPECLENS_TILE(10) SPECLENS_TILE(11) SPECLENS_TILE(12)
+      SPECLENS_TILE(13) SPECLENS_TILE(14) SPECLENS_TILE(15) SPECLENS_TILE(16) SPECLENS_TILE(17) SPECLENS_TILE(18)
+      SPECLENS_TILE(19) SPECLENS_TILE(20) SPECLENS_TILE(21) SPECLENS_TILE(22) SPECLENS_TILE(23) SPECLENS_TILE(24)
+#undef SPECLENS_TILE
+      default:
+        break;
+    }
+  }
+}
+
+// One work item of 4-bit blocks: as span, over panels `stride` bytes apart.
+void block_span(const float* xt, int64_t M, const uint8_t* w, int64_t K, float* out, int64_t ldo, int64_t cols) {
+  switch (tile_panels(M)) {
+    case 4: block_rows<4, 6>(xt, M, w, K, out, ldo, cols); break;
+    case 2: block_rows<2, 12>(xt, M, w, K, out, ldo, cols); break;
+    default: block_rows<1, 24>(xt, M, w, K, out, ldo, cols); break;
+  }
+}
+
 constexpr const char* kIsa = "AVX-512";
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -190,6 +281,9 @@ void span(const float* xt, int64_t M, const W* w, int64_t K, const float* bias, 
     }
   }
 }
+
+constexpr bool kBlocks = false;  // 4-bit blocks are refused: pack_blocks is never called on these builds
+void block_span(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t) {}
 
 constexpr const char* kIsa = "AVX2";
 
@@ -438,10 +532,13 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, const 
                      int64_t N) {
   const int64_t K = x.size(-1);
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "linear takes float32 CPU input");
-  TORCH_CHECK(panels.scalar_type() == torch::kFloat32 || panels.scalar_type() == torch::kBFloat16,
-              "panels are float32 or bfloat16");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(1) == K && panels.size(2) == kPanel && panels.is_contiguous() &&
-                  panels.size(0) * kPanel >= N && (panels.size(0) * kPanel) % kGroup == 0,
+  const bool blocks = panels.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(panels.scalar_type() == torch::kFloat32 || panels.scalar_type() == torch::kBFloat16 || (blocks && kBlocks),
+              "panels are float32 or bfloat16 (or, on AVX-512, 4-bit blocks)");
+  TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(0) * kPanel >= N &&
+                  (panels.size(0) * kPanel) % kGroup == 0 &&
+                  (blocks ? K % 32 == 0 && panels.size(1) == K / 32 && panels.size(2) == kBlockBytes
+                          : panels.size(1) == K && panels.size(2) == kPanel),
               "panels do not fit this input");
   const auto flat = x.reshape({-1, K});
   const int64_t M = flat.size(0);
@@ -479,8 +576,19 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, const 
       }
     });
   };
-  if (panels.scalar_type() == torch::kBFloat16) run(reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()));
-  else run(panels.data_ptr<float>());
+  if (blocks) {
+    const uint8_t* wp = panels.data_ptr<uint8_t>();
+    const int64_t stride = K / 32 * kBlockBytes * tile_panels(M);  // bytes per work item
+    at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i)
+        block_span(xp, M, wp + i * stride, K, op + i * width, N, std::min<int64_t>(width, N - i * width));
+    });
+    if (bp) out.add_(b);
+  } else if (panels.scalar_type() == torch::kBFloat16) {
+    run(reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()));
+  } else {
+    run(panels.data_ptr<float>());
+  }
   return out.view(sizes);
 }
 
@@ -734,6 +842,7 @@ void move_rows(const std::vector<torch::Tensor>& buffers, const std::vector<int6
 }
 
 std::string isa() { return kIsa; }
+bool blocks() { return kBlocks; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "float32 weight [N, K] -> panels [P, K, 16] in float32 or bfloat16",
@@ -743,4 +852,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder", &decoder, "a Llama decoder stack, its final norm and LM head, on these kernels");
   m.def("move_rows", &move_rows, "move KV cache rows towards the start in every buffer [B, G, capacity, D]");
   m.def("isa", &isa, "the instruction set this build uses");
+  m.def("blocks", &blocks, "whether linear takes 4-bit blocks (engine/native_kernels.py, pack_blocks)");
 }

@@ -155,8 +155,9 @@ def _load(folder: Path):
 
 def self_check(module) -> str | None:
     """Compare the linear kernel with F.linear on shapes that cover every tile and tail, with float32 and
-    bfloat16 panels, and the attention kernel with softmax attention; None if they agree and each row
-    of a block equals the row computed alone, bit for bit; else what went wrong."""
+    bfloat16 panels (and 4-bit blocks with float32 panels), and the attention kernel with softmax
+    attention; None if they agree and each row of a block equals the row computed alone, bit for bit;
+    else what went wrong."""
     generator = torch.Generator().manual_seed(0)
     for out_features, in_features, bias in ((48, 32, False), (200, 96, True), (64, 576, False)):
         weight = torch.randn(out_features, in_features, generator=generator)  # [N, K]
@@ -173,6 +174,19 @@ def self_check(module) -> str | None:
                 alone = torch.cat([module.linear(x[i : i + 1], panels, b, out_features) for i in range(rows)])
                 if not torch.equal(got, alone):
                     return f"a block of {rows} rows differs from its rows computed one at a time"
+    if module.blocks():
+        # a Q4_1-style weight (m + d q per 32 inputs) as 4-bit blocks must give the float32 panels' bits
+        scale = (torch.rand(100, 3, 1, generator=generator) * 0.02 + 1e-3).half().float()
+        low = (-torch.rand(100, 3, 1, generator=generator) * 0.1).half().float()
+        levels = torch.randint(0, 16, (100, 3, 32), generator=generator).float()
+        levels[..., 0], levels[..., 1] = 0, 15
+        weight = torch.addcmul(low, scale, levels).view(100, 96)
+        blocks = pack_blocks(weight)
+        for rows in (1, 5, 9, 13, 30):
+            x = torch.randn(rows, 96, generator=generator)
+            if blocks is None or not torch.equal(module.linear(x, blocks, None, 100),
+                                                 module.linear(x, module.pack(weight, False), None, 100)):
+                return f"{rows} rows over 4-bit blocks differ from the same weight's float32 panels"
     return _attention_problem(module, generator)
 
 
@@ -202,20 +216,70 @@ def native_module(progress: Callable[[str, float | None], None] | None = None):
     return native_build().module
 
 
+def pack_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """float32 [N, K] -> the native linear's 4-bit blocks, uint8 [P, K / 32, 320] (P = N rounded up to 64,
+    over 16), if every 32 consecutive inputs of each output hold m + d * q exactly, with m and d half
+    precision and q = 0..15 (what a Q4_1 GGUF dequantises to); else None. Checked weight by weight, so
+    the kernel's rebuilt weights, and so its outputs, are bit for bit the float32 ones.
+
+    Layout (engine/native_kernels.cpp): per panel of 16 outputs and block of 32 inputs, the 16 d and the
+    16 m in half precision, then per input 8 bytes, byte j holding q of output j (low nibble) and j + 8."""
+    n, k = weight.shape
+    if k % 32 or n == 0:
+        return None
+    padded = (n + 63) // 64 * 64
+    full = weight.new_zeros(padded, k)
+    full[:n] = weight
+    blocks = full.view(padded, k // 32, 32)  # [N', B, 32]
+    low = blocks.amin(-1, keepdim=True)  # [N', B, 1]: m is the smallest weight (q = 0)
+    if not torch.equal(low.half().float(), low):
+        return None
+    # d is (max - min) / 15 to half precision, give or take the rounding of the quantiser: try neighbours
+    nearest = ((blocks.amax(-1, keepdim=True) - low) / 15).half().view(torch.int16)  # [N', B, 1]
+    d = torch.full_like(low, float("nan"))
+    q = torch.zeros_like(blocks)
+    todo = torch.ones(low.shape[:2], dtype=torch.bool)  # [N', B]: blocks without an exact (d, q) yet
+    for step in (0, -1, 1, -2, 2):
+        part, base = blocks[todo], low[todo]  # [n, 32], [n, 1]
+        trial = (nearest[todo] + step).view(torch.float16).float()  # [n, 1]
+        levels = torch.where(trial > 0, torch.round((part - base) / trial), torch.zeros_like(part)).clamp(0, 15)
+        exact = (torch.addcmul(base, trial, levels) == part).all(-1)  # [n]
+        where = todo.nonzero()[exact]  # [found, 2]
+        d[where[:, 0], where[:, 1]] = trial[exact]
+        q[where[:, 0], where[:, 1]] = levels[exact]
+        todo[where[:, 0], where[:, 1]] = False
+        if not todo.any():
+            break
+    if todo.any():
+        return None
+    panels, per = padded // 16, k // 32
+
+    def per_column(x: torch.Tensor) -> torch.Tensor:  # [N', B, 1] -> [P, B, 32] bytes of 16 halves
+        return x.view(panels, 16, per).transpose(1, 2).contiguous().half().view(torch.uint8)
+
+    q = q.to(torch.uint8).view(panels, 16, per, 32).permute(0, 2, 3, 1)  # [P, B, 32 inputs, 16 outputs]
+    nibbles = (q[..., :8] | (q[..., 8:] << 4)).reshape(panels, per, 256)
+    return torch.cat([per_column(d), per_column(low), nibbles], dim=-1).contiguous()  # [P, B, 320]
+
+
 class NativeLinear(nn.Module):
     """y = x W^T + b on SpecLens's native kernel (float32 activations, CPU inference only).
 
-    The weight is held as float32 panels, or as bfloat16 panels for drafters (`bfloat16`: half the bytes
-    to stream, widened exactly to float32 in the kernel; a drafter's precision never touches
-    exactness). `weight` stays reachable only where other code reads it (`keep_weight`: the output
-    embedding, whose rows EAGLE drafts from and which training reads); elsewhere only the panels are held."""
+    The weight is held as float32 panels; as 4-bit blocks where it is exactly a Q4_1-style weight
+    (pack_blocks: 5 bits a weight to stream instead of 32, the same outputs bit for bit); or as bfloat16
+    panels for drafters (`bfloat16`: half the bytes to stream, widened exactly to float32 in the kernel;
+    a drafter's precision never touches exactness). `weight` stays reachable only where other code
+    reads it (`keep_weight`: the output embedding, whose rows EAGLE drafts from and which training
+    reads); elsewhere only the panels are held."""
 
     def __init__(self, module, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False,
                  bfloat16: bool = False):
         super().__init__()
         self.kernel = module
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.panels = module.pack(weight.detach().float().contiguous(), bfloat16)  # [P, in, 16], not a parameter
+        weight32 = weight.detach().float().contiguous()
+        blocks = None if bfloat16 or not module.blocks() else pack_blocks(weight32)
+        self.panels = module.pack(weight32, bfloat16) if blocks is None else blocks  # not a parameter
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self.weight = weight if keep_weight else None
 
@@ -225,7 +289,7 @@ class NativeLinear(nn.Module):
         return self.kernel.linear(x.float(), self.panels, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
-        weights = str(self.panels.dtype).removeprefix("torch.")
+        weights = "4-bit block" if self.panels.dtype == torch.uint8 else str(self.panels.dtype).removeprefix("torch.")
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel=native ({weights} weights)"
 
 

@@ -88,6 +88,89 @@ def test_each_output_is_one_fma_chain_in_input_order():
 
 
 @needs_native
+def _q4_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """A float32 [n, k] weight as a Q4_1 GGUF dequantises to: per 32 inputs m + d * q, d and m half
+    precision, q = 0..15 with the block's extremes at 0 and 15 (as the quantiser sets d and m)."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(n, k // 32, 1, generator=g) * 0.1).half().float()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    return torch.addcmul(m, d, q).view(n, k)
+
+
+needs_blocks = pytest.mark.skipif(native is None or not native.blocks(), reason="4-bit blocks need an AVX-512 build")
+
+
+@needs_blocks
+@pytest.mark.parametrize("bias", [False, True])
+def test_4bit_blocks_give_the_float32_panels_bits(bias):
+    """A Q4_1-style weight is packed as 4-bit blocks (5 bits a weight to stream), and every output is bit
+    for bit what the float32 panels give: for every tile shape, alone or in any block, on two threads."""
+    weight = _q4_weight(200, 576, seed=3)  # 200 outputs: panels padded to 256, a ragged last tile
+    b = torch.randn(200) if bias else None
+    layer = NativeLinear(native, weight, b)
+    assert layer.panels.dtype == torch.uint8 and layer.panels.shape == (16, 576 // 32, 320)
+    assert "4-bit block" in repr(layer)
+    panels = native.pack(weight, False)  # float32
+    assert layer.panels.numel() * 6 < panels.numel() * 4  # under a sixth of the float32 panels' bytes
+    block = torch.randn(40, 576)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 5, 6, 7, 11, 12, 13, 24, 25, 40):
+            assert torch.equal(layer(block[:rows]), native.linear(block[:rows], panels, b, 200)), rows
+        try:
+            torch.set_num_threads(2)
+            assert torch.equal(layer(block), native.linear(block, panels, b, 200))
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_only_weights_that_rebuild_exactly_become_4bit_blocks():
+    weight = _q4_weight(64, 96, seed=4)
+    assert native_kernels.pack_blocks(weight) is not None
+    nudged = weight.clone()
+    nudged[5, 40] = torch.nextafter(nudged[5, 40], torch.tensor(1.0))  # one weight one ulp off its level
+    assert native_kernels.pack_blocks(nudged) is None
+    assert native_kernels.pack_blocks(torch.randn(64, 96)) is None  # an ordinary float32 weight
+    assert native_kernels.pack_blocks(_q4_weight(64, 96, seed=4)[:, :80]) is None  # inputs not in blocks of 32
+    if native is not None:
+        assert NativeLinear(native, nudged, None).panels.dtype == torch.float32  # which stays float32 panels
+
+
+@needs_blocks
+def test_a_target_of_4bit_blocks_decodes_exactly_as_with_float32_panels(monkeypatch):
+    """A tiny model whose decoder weights are Q4_1-style: on 4-bit blocks (the lean forward included) its
+    logits for a prompt, a verified chain and a tree are bit for bit those of the float32 panels."""
+    def quantised():
+        model = tiny_llama(seed=0)
+        with torch.no_grad():
+            for i, layer in enumerate(model.model.layers):
+                for j, linear in enumerate([*layer.self_attn.children(), *layer.mlp.children()]):
+                    if isinstance(linear, torch.nn.Linear):
+                        linear.weight.copy_(_q4_weight(*linear.weight.shape, seed=10 * i + j))
+        _use_cpu_kernels(model, "native", torch.float32, lambda *a: None)
+        return model
+
+    def logits(model):
+        ids = tiny_tokenizer()(PROMPT)["input_ids"]
+        target = CachedModel(model)
+        target.prefill(ids)
+        chain = target.forward(ids, ids[:4], 5)
+        target.truncate(len(ids) - 1)
+        tree = target.forward_tree(ids, [ids[-1], ids[1], ids[0], ids[3], ids[1]], [-1, 0, 0, 1, 2])
+        return chain, tree
+
+    blocks = quantised()
+    assert blocks.model.layers[0].mlp.down_proj.panels.dtype == torch.uint8
+    assert CachedModel(blocks).lean is not None  # the whole decoder in one native call, on blocks
+    monkeypatch.setattr(native_kernels, "pack_blocks", lambda weight: None)
+    float_panels = quantised()
+    assert float_panels.model.layers[0].mlp.down_proj.panels.dtype == torch.float32
+    for got, want in zip(logits(blocks), logits(float_panels)):
+        assert torch.equal(got, want)
+
+
 def test_a_row_gives_the_same_bits_alone_in_any_block_and_on_any_thread_count():
     torch.manual_seed(2)
     layer = NativeLinear(native, torch.randn(300, 576), torch.randn(300))
@@ -161,6 +244,16 @@ def test_a_failing_self_check_keeps_the_kernel_out():
     assert "differ from F.linear" in native_kernels.self_check(Wrong)
     if native is not None:
         assert native_kernels.self_check(native) is None
+    if native is not None and native.blocks():
+        class WrongBlocks:  # right on float32 and bfloat16 panels, one ulp off on 4-bit blocks
+            pack, attention, blocks = native.pack, native.attention, native.blocks
+
+            @staticmethod
+            def linear(x, panels, bias, out_features):
+                out = native.linear(x, panels, bias, out_features)
+                return torch.nextafter(out, out + 1) if panels.dtype == torch.uint8 else out
+
+        assert "4-bit blocks differ" in native_kernels.self_check(WrongBlocks)
 
 
 def _reference_attention(q, k, v, allowed, scale):

@@ -194,10 +194,13 @@ def _load_datastore(folder: Path) -> Datastore:
 # as copied spans run long and set phrases short.
 LOOKUP_CHAIN_TOKENS = 8
 STORE_CHAIN_TOKENS = 2
-# On a CPU, eagle_lookup's merged tree keeps its 10 most valuable nodes (or the asked budget, if larger):
-# two cores verified 11 tokens in 1.28 forwards of one and each token past that at about 0.08 more
-# (README, "Choosing the tree's nodes"). A GPU verifies a few dozen at about the cost of one: no cut there.
-CPU_TREE_NODES = 10
+# On a CPU, eagle_lookup's merged tree keeps its 4 most valuable nodes (or the asked budget, if larger).
+# With the target's decoder on 4-bit blocks a one-token forward no longer waits on memory, so every
+# verified token costs nearly its own arithmetic: cuts of 2, 3, 4, 5, 6 and 10 nodes ran at 0.99-1.00x,
+# 1.01-1.03x, 1.02-1.08x, 1.02-1.04x, 0.97-0.99x and 0.92-0.93x plain decoding on our own prompts
+# (resources/prompts/bench.jsonl, two cores; README, "Choosing the tree's nodes"). A GPU verifies a few
+# dozen at about the cost of one: no cut there.
+CPU_TREE_NODES = 4
 
 
 def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,

@@ -133,7 +133,8 @@ def native_build() -> NativeBuild:
     problem = self_check(module)
     if problem:
         return NativeBuild(None, f"failed its self-check ({problem}); PyTorch's kernels are used")
-    return NativeBuild(module, f"{module.isa()} float32 linear and attention, built for this CPU in {build_dir()}")
+    blocks = " (Q4_1-style weights as 4-bit blocks)" if module.blocks() else ""
+    return NativeBuild(module, f"{module.isa()} float32 linear{blocks} and attention, built for this CPU in {build_dir()}")
 
 
 def _remove_older_builds(current: Path) -> None:

@@ -51,6 +51,11 @@ constexpr int64_t kMaxHeads = 8;  // attention: query heads of one key/value gro
 constexpr int64_t kSpan = 32;  // attention: keys whose value rows every head of a group takes in turn
 constexpr int64_t kBlockBytes = 320;  // 4-bit blocks: bytes per panel per 32 k (16 d, 16 m, 32 x 8 of nibbles)
 
+// The elements of W one panel takes: K lines of 16 weights, or K / 32 blocks of kBlockBytes bytes.
+inline int64_t panel_size(const float*, int64_t K) { return K * kPanel; }
+inline int64_t panel_size(const uint16_t*, int64_t K) { return K * kPanel; }
+inline int64_t panel_size(const uint8_t*, int64_t K) { return K / 32 * kBlockBytes; }
+
 #if defined(__AVX512F__)
 
 inline __mmask16 column_mask(int64_t left) {
@@ -101,6 +106,63 @@ void tile(const float* xt, int64_t ldx, const W* w, int64_t K, const float* bias
   }
 }
 
+// ---- 4-bit blocks ----
+// Per panel, per 32 k: 16 d then 16 m (half precision, one per column), then for each k 8 bytes whose
+// byte j holds column j's q in its low nibble and column j + 8's in its high one. An overload of tile,
+// so that rows and span serve every weight format.
+constexpr bool kBlocks = true;
+
+template <int MR, int NV>
+void tile(const float* xt, int64_t ldx, const uint8_t* w, int64_t K, const float* bias, float* out, int64_t ldo,
+          int64_t cols) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 24
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t stride = panel_size(w, K);
+  const __m512i shifts = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);  // lanes 8-15: high nibbles
+  const __m512i nibble = _mm512_set1_epi32(15);
+  for (int64_t kb = 0; kb < K / 32; ++kb) {
+    __m512 d[NV], m[NV];
+    const uint8_t* block[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      block[j] = w + j * stride + kb * kBlockBytes;
+      d[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block[j])));
+      m[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block[j] + 32)));
+      for (int64_t line = 0; line < kBlockBytes; line += 64)  // three blocks (~1 KB) ahead
+        _mm_prefetch(reinterpret_cast<const char*>(block[j] + 3 * kBlockBytes + line), _MM_HINT_T0);
+    }
+#pragma GCC unroll 2
+    for (int kk = 0; kk < 32; ++kk) {
+      const int64_t k = kb * 32 + kk;
+      __m512 b[NV];
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block[j] + 64 + kk * 8));
+        const __m512i q = _mm512_and_si512(
+            _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(bytes, bytes)), shifts), nibble);
+        b[j] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(q), m[j]);  // = m + d q, exactly
+      }
+#pragma GCC unroll 24
+      for (int r = 0; r < MR; ++r) {
+        const __m512 a = _mm512_set1_ps(xt[k * ldx + r]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(a, b[j], acc[r][j]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < NV; ++j) {
+    const __mmask16 mask = column_mask(cols - 16 * j);
+    const __m512 bias_j = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+#pragma GCC unroll 24
+    for (int r = 0; r < MR; ++r)
+      _mm512_mask_storeu_ps(out + r * ldo + 16 * j, mask, bias ? _mm512_add_ps(acc[r][j], bias_j) : acc[r][j]);
+  }
+}
+
 // Tiles of up to MAXR rows over NV panels for all M rows.
 template <int NV, int MAXR, typename W>
 void rows(const float* xt, int64_t M, const W* w, int64_t K, const float* bias, float* out, int64_t ldo,
@@ -137,89 +199,6 @@ void span(const float* xt, int64_t M, const W* w, int64_t K, const float* bias, 
     case 4: rows<4, 6>(xt, M, w, K, bias, out, ldo, cols); break;
     case 2: rows<2, 12>(xt, M, w, K, bias, out, ldo, cols); break;
     default: rows<1, 24>(xt, M, w, K, bias, out, ldo, cols); break;
-  }
-}
-
-// ---- 4-bit blocks ----
-// Per panel, per 32 k: 16 d then 16 m (half precision, one per column), then for each k 8 bytes whose
-// byte j holds column j's q in its low nibble and column j + 8's in its high one.
-constexpr bool kBlocks = true;
-
-template <int MR, int NV>
-void block_tile(const float* xt, int64_t ldx, const uint8_t* w, int64_t K, float* out, int64_t ldo, int64_t cols) {
-  __m512 acc[MR][NV];
-#pragma GCC unroll 24
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int64_t stride = K / 32 * kBlockBytes;  // one panel's bytes
-  const __m512i shifts = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);  // lanes 8-15: high nibbles
-  const __m512i nibble = _mm512_set1_epi32(15);
-  for (int64_t kb = 0; kb < K / 32; ++kb) {
-    __m512 d[NV], m[NV];
-    const uint8_t* block[NV];
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) {
-      block[j] = w + j * stride + kb * kBlockBytes;
-      d[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block[j])));
-      m[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block[j] + 32)));
-      for (int64_t line = 0; line < kBlockBytes; line += 64)  // three blocks (~1 KB) ahead
-        _mm_prefetch(reinterpret_cast<const char*>(block[j] + 3 * kBlockBytes + line), _MM_HINT_T0);
-    }
-#pragma GCC unroll 2
-    for (int kk = 0; kk < 32; ++kk) {
-      const int64_t k = kb * 32 + kk;
-      __m512 b[NV];
-#pragma GCC unroll 4
-      for (int j = 0; j < NV; ++j) {
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block[j] + 64 + kk * 8));
-        const __m512i q = _mm512_and_si512(
-            _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(bytes, bytes)), shifts), nibble);
-        b[j] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(q), m[j]);  // = m + d q, exactly
-      }
-#pragma GCC unroll 24
-      for (int r = 0; r < MR; ++r) {
-        const __m512 a = _mm512_set1_ps(xt[k * ldx + r]);
-#pragma GCC unroll 4
-        for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(a, b[j], acc[r][j]);
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int j = 0; j < NV; ++j) {
-    const __mmask16 mask = column_mask(cols - 16 * j);
-#pragma GCC unroll 24
-    for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ldo + 16 * j, mask, acc[r][j]);
-  }
-}
-
-template <int NV, int MAXR>
-void block_rows(const float* xt, int64_t M, const uint8_t* w, int64_t K, float* out, int64_t ldo, int64_t cols) {
-  for (int64_t r0 = 0; r0 < M; r0 += MAXR) {
-    const float* x = xt + r0;
-    float* o = out + r0 * ldo;
-    switch (std::min<int64_t>(MAXR, M - r0)) {
-#define SPECLENS_TILE(n) \
-  case n:                \
-    if constexpr (n <= MAXR) block_tile<n, NV>(x, M, w, K, o, ldo, cols); \
-    break;
-      SPECLENS_TILE(1) SPECLENS_TILE(2) SPECLENS_TILE(3) SPECLENS_TILE(4) SPECLENS_TILE(5) SPECLENS_TILE(6)
-      SPECLENS_TILE(7) SPECLENS_TILE(8) SPECLENS_TILE(9) SPECLENS_TILE(10) SPECLENS_TILE(11) SPECLENS_TILE(12)
-      SPECLENS_TILE(13) SPECLENS_TILE(14) SPECLENS_TILE(15) SPECLENS_TILE(16) SPECLENS_TILE(17) SPECLENS_TILE(18)
-      SPECLENS_TILE(19) SPECLENS_TILE(20) SPECLENS_TILE(21) SPECLENS_TILE(22) SPECLENS_TILE(23) SPECLENS_TILE(24)
-#undef SPECLENS_TILE
-      default:
-        break;
-    }
-  }
-}
-
-// One work item of 4-bit blocks: as span, over panels `stride` bytes apart.
-void block_span(const float* xt, int64_t M, const uint8_t* w, int64_t K, float* out, int64_t ldo, int64_t cols) {
-  switch (tile_panels(M)) {
-    case 4: block_rows<4, 6>(xt, M, w, K, out, ldo, cols); break;
-    case 2: block_rows<2, 12>(xt, M, w, K, out, ldo, cols); break;
-    default: block_rows<1, 24>(xt, M, w, K, out, ldo, cols); break;
   }
 }
 
@@ -262,6 +241,10 @@ void tile(const float* xt, int64_t ldx, const W* w, int64_t K, const float* bias
   }
 }
 
+constexpr bool kBlocks = false;  // 4-bit blocks are refused (linear checks): pack_blocks is never called here
+template <int MR>
+void tile(const float*, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t, int64_t) {}
+
 inline int64_t tile_panels(int64_t) { return 1; }
 
 // One work item: the output columns [0, cols) of one panel, for all M rows in tiles of up to 6.
@@ -282,8 +265,6 @@ void span(const float* xt, int64_t M, const W* w, int64_t K, const float* bias, 
   }
 }
 
-constexpr bool kBlocks = false;  // 4-bit blocks are refused: pack_blocks is never called on these builds
-void block_span(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t) {}
 
 constexpr const char* kIsa = "AVX2";
 
@@ -569,26 +550,17 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, const 
   const int64_t width = kPanel * tile_panels(M);
   const int64_t items = (N + width - 1) / width;
   const auto run = [&](const auto* wp) {
+    const int64_t stride = tile_panels(M) * panel_size(wp, K);  // elements per work item
     at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
-        span(xp, M, wp + i * K * width, K, bp ? bp + i * width : nullptr, op + i * width, N,
+        span(xp, M, wp + i * stride, K, bp ? bp + i * width : nullptr, op + i * width, N,
              std::min<int64_t>(width, N - i * width));
       }
     });
   };
-  if (blocks) {
-    const uint8_t* wp = panels.data_ptr<uint8_t>();
-    const int64_t stride = K / 32 * kBlockBytes * tile_panels(M);  // bytes per work item
-    at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i)
-        block_span(xp, M, wp + i * stride, K, op + i * width, N, std::min<int64_t>(width, N - i * width));
-    });
-    if (bp) out.add_(b);
-  } else if (panels.scalar_type() == torch::kBFloat16) {
-    run(reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()));
-  } else {
-    run(panels.data_ptr<float>());
-  }
+  if (blocks) run(panels.data_ptr<uint8_t>());
+  else if (panels.scalar_type() == torch::kBFloat16) run(reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()));
+  else run(panels.data_ptr<float>());
   return out.view(sizes);
 }
 

@@ -25,7 +25,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from engine.attention import grouped_query_attention
 from engine.cache import AppendLayer, CachedModel, common_prefix
-from engine.cpu_kernels import drafter_linear, drafter_module
+from engine.cpu_kernels import drafter_module
+from engine.drafters import draft_vocab_rows, full_vocab_logits
 from engine.lean_forward import decoder_layers_fit, decoder_weights
 from engine.sampling import SamplingParams, process_logits
 from engine.tree import DraftModelTreeDrafter, DraftTree, TreeShape, ancestor_path, node_depths, tree_attention
@@ -166,15 +167,8 @@ class EagleDrafter(DraftModelTreeDrafter):
         self.feature_ids: list[int] = []
         self.cache = AppendLayer()  # the head layer's keys and values, [1, kv heads, n, D]
         self.cache_ids: list[int] = []  # ids[: n + 1] for n committed cache entries
-        lm_head = target.model.get_output_embeddings()
-        vocab, weight, bias = head.draft_vocab, lm_head.weight, getattr(lm_head, "bias", None)
-        if vocab is not None and vocab.numel() < target.n_vocab:
-            vocab = vocab[vocab < target.n_vocab].to(target.device)  # [N]
-            weight, bias = weight[vocab], None if bias is None else bias[vocab]
-        else:
-            vocab = None
-        self._vocab = vocab  # the token ids the head drafts (None: all)
-        self._rows = drafter_linear(target.model, weight, bias)  # H -> N: the LM head's rows for them
+        # the token ids the head drafts (None: all), and H -> N: the LM head's rows for them
+        self._vocab, self._rows = draft_vocab_rows(target, head.draft_vocab)
         self._f_hat: dict[int, torch.Tensor] = {}  # per proposal: node -> its predicted feature [H]
         self._fed: list[int] = []  # per proposal: tree nodes in the cache, in cache order after the committed
         target.keep_hidden = True
@@ -267,11 +261,7 @@ class EagleDrafter(DraftModelTreeDrafter):
 
     def _logits(self, features: torch.Tensor) -> torch.Tensor:
         """Float logits [n, V] of predicted features [n, H]; outside the draft vocabulary -inf."""
-        if self._vocab is None:
-            return self._rows(features)[:, : self.target.n_vocab].float()
-        logits = torch.full((features.shape[0], self.target.n_vocab), float("-inf"), device=features.device)
-        logits[:, self._vocab] = self._rows(features).float()
-        return logits
+        return full_vocab_logits(self._rows(features), self._vocab, self.target.n_vocab)
 
     def _feed_tree(self, ids: list[int], tokens: list[int], parents: list[int]) -> None:
         """Feed the tree nodes whose parent's feature is known and which are not fed yet, memoising

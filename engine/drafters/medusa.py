@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from engine.cache import CachedModel
-from engine.cpu_kernels import drafter_linear, drafter_module, drafting_dtype
-from engine.drafters import StatelessDrafter
+from engine.cpu_kernels import drafter_module, drafting_dtype
+from engine.drafters import StatelessDrafter, draft_vocab_rows, full_vocab_logits
 from engine.sampling import SamplingParams, process_logits
 from engine.tree import DraftTree, TreeShape, node_depths
 
@@ -140,13 +140,7 @@ class MedusaDrafter(StatelessDrafter):
         self.lm_head = None  # the heads' own projections, or (shared) the target's LM head in drafting precision
         self._vocab = None  # the token ids the shared LM head's rows score (None: all)
         if heads.shared_lm_head:
-            lm_head = target.model.get_output_embeddings()
-            weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
-            vocab = heads.draft_vocab
-            if vocab is not None and vocab.numel() < target.n_vocab:
-                self._vocab = vocab[vocab < target.n_vocab].to(target.device)  # [N]
-                weight, bias = weight[self._vocab], None if bias is None else bias[self._vocab]
-            self.lm_head = drafter_linear(target.model, weight, bias)
+            self._vocab, self.lm_head = draft_vocab_rows(target, heads.draft_vocab)
         self.target = target
         self.shape = shape
         self.name = name
@@ -160,15 +154,10 @@ class MedusaDrafter(StatelessDrafter):
         hidden = self.target.hidden_at(len(ids) - 2, len(ids) - 1)  # [1, H]: its logits chose ids[-1]
         if hidden is None:
             return DraftTree(torch.tensor([ids[-1]], device=self.target.device), (-1,), None)
-        logits = self.heads(hidden[0].to(self.dtype), self.lm_head)  # [heads, V], or [heads, N] over _vocab
-        if self._vocab is None:
-            logits = logits[:, : self.target.n_vocab]
-        else:  # the draft vocabulary's scores in full rows, so penalties and warping see the token ids
-            full = logits.new_full((logits.shape[0], self.target.n_vocab), float("-inf"))
-            full[:, self._vocab] = logits
-            logits = full
+        rows = self.heads(hidden[0].to(self.dtype), self.lm_head)  # [heads, V], or [heads, N] over _vocab
+        logits = full_vocab_logits(rows, self._vocab, self.target.n_vocab)  # [heads, V]
         history = torch.tensor(ids, device=logits.device)
-        scores = process_logits(logits.float(), params, history, history[:0])  # [heads, V]; ranks only
+        scores = process_logits(logits, params, history, history[:0])  # [heads, V]; ranks only
         n_ranks = 1 + max(shape.ranks)
         candidates = scores.topk(n_ranks, dim=-1).indices.tolist()  # [heads][ranks]
         depths = node_depths(shape.parents)

@@ -24,6 +24,9 @@ from torch import nn
 from engine.attention import is_native_attention
 from engine.native_kernels import NativeLinear
 
+# weight formats that give a target's exact float32 outputs: float32 panels, 4-bit and 8-bit blocks
+EXACT_FORMATS = (torch.float32, torch.uint8, torch.int8)
+
 
 class LeanLlamaForward:
     """Logits (and final hidden states) of a LlamaForCausalLM whose linears are all NativeLinear without
@@ -87,7 +90,7 @@ def decoder_layers_fit(layers, config) -> bool:
     return (config.hidden_act == "silu" and getattr(config, "pretraining_tp", 1) == 1
             and all(type(linear) is NativeLinear and linear.bias is None and hasattr(linear.kernel, "decoder")
                     for linear in linears)
-            # a stacked product reads one format: float32, bfloat16 or 4-bit blocks for all its linears
+            # a stacked product reads one format (float32, bfloat16, 4-bit or 8-bit blocks) for all its linears
             and all(len({linear.panels.dtype for linear in group}) == 1 for group in stacked))
 
 
@@ -119,8 +122,8 @@ def lean_forward_for(model: nn.Module) -> LeanLlamaForward | None:
     head = model.lm_head
     if (type(head) is not NativeLinear or head.bias is not None or type(inner.embed_tokens) is not nn.Embedding
             or not decoder_layers_fit(layers, config)
-            or head.panels.dtype != torch.float32
-            or any(layer.self_attn.q_proj.panels.dtype not in (torch.float32, torch.uint8) for layer in layers)):
+            or head.panels.dtype not in EXACT_FORMATS
+            or any(layer.self_attn.q_proj.panels.dtype not in EXACT_FORMATS for layer in layers)):
         return None
     lean = LeanLlamaForward(model)
     model._speclens_lean_forward = lean

@@ -22,6 +22,11 @@
 // same FMA chain as the float32 panels: the outputs are bit for bit those of the float32 weights.
 // Python packs (engine/native_kernels.py, pack_blocks) only weights it has checked to rebuild exactly.
 //
+// 8-bit blocks (AVX-512 builds), likewise: a weight whose every 32 consecutive inputs of an output hold
+// d * q exactly (q = -128..127, d half precision: a Q8_0 GGUF's, as the embedded default's tied LM
+// head) is packed as q and d, 8.5 bits a weight; the kernel rebuilds d * q (exact: 19 bits) and runs
+// the same chain (pack_byte_blocks).
+//
 // Attention: out[t, h] = softmax_j(scale * q[h, t] . k[g, j]) v[g, j] over the keys j that query t may
 // see (its mask row, or causally), with g = h / (H / G) (grouped-query attention read in place).
 // Batch invariant as well: a query's keys are taken in cache order with the masked ones skipped, and
@@ -50,11 +55,14 @@ constexpr int64_t kPrefetch = 32;  // k steps ahead to prefetch each panel strea
 constexpr int64_t kMaxHeads = 8;  // attention: query heads of one key/value group handled together
 constexpr int64_t kSpan = 32;  // attention: keys whose value rows every head of a group takes in turn
 constexpr int64_t kBlockBytes = 320;  // 4-bit blocks: bytes per panel per 32 k (16 d, 16 m, 32 x 8 of nibbles)
+constexpr int64_t kByteBlockBytes = 544;  // 8-bit blocks: bytes per panel per 32 k (16 d, 32 x 16 of q)
 
-// The elements of W one panel takes: K lines of 16 weights, or K / 32 blocks of kBlockBytes bytes.
+// The elements of W one panel takes: K lines of 16 weights, or K / 32 blocks of kBlockBytes (4-bit) or
+// kByteBlockBytes (8-bit) bytes.
 inline int64_t panel_size(const float*, int64_t K) { return K * kPanel; }
 inline int64_t panel_size(const uint16_t*, int64_t K) { return K * kPanel; }
 inline int64_t panel_size(const uint8_t*, int64_t K) { return K / 32 * kBlockBytes; }
+inline int64_t panel_size(const int8_t*, int64_t K) { return K / 32 * kByteBlockBytes; }
 
 #if defined(__AVX512F__)
 
@@ -107,9 +115,9 @@ void tile(const float* xt, int64_t ldx, const W* w, int64_t K, const float* bias
 }
 
 // ---- 4-bit blocks ----
-// Per panel, per 32 k: 16 d then 16 m (half precision, one per column), then for each k 8 bytes whose
-// byte j holds column j's q in its low nibble and column j + 8's in its high one. An overload of tile,
-// so that rows and span serve every weight format.
+// Per panel, per 32 k: 16 d then 16 m (half precision, one per column), then for each pair of inputs
+// k, k + 1 16 bytes whose byte j holds column j's q for k in its low nibble and for k + 1 in its high
+// one (one widening gives both). An overload of tile, so that rows and span serve every weight format.
 constexpr bool kBlocks = true;
 
 template <int MR, int NV>
@@ -121,7 +129,6 @@ void tile(const float* xt, int64_t ldx, const uint8_t* w, int64_t K, const float
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
   const int64_t stride = panel_size(w, K);
-  const __m512i shifts = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);  // lanes 8-15: high nibbles
   const __m512i nibble = _mm512_set1_epi32(15);
   for (int64_t kb = 0; kb < K / 32; ++kb) {
     __m512 d[NV], m[NV];
@@ -134,16 +141,69 @@ void tile(const float* xt, int64_t ldx, const uint8_t* w, int64_t K, const float
       for (int64_t line = 0; line < kBlockBytes; line += 64)  // three blocks (~1 KB) ahead
         _mm_prefetch(reinterpret_cast<const char*>(block[j] + 3 * kBlockBytes + line), _MM_HINT_T0);
     }
+    for (int kk = 0; kk < 32; kk += 2) {  // inputs k and k + 1 share each column's byte
+      const int64_t k = kb * 32 + kk;
+      __m512 even[NV], odd[NV];
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) {
+        const __m512i bytes = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(block[j] + 64 + kk * 8)));
+        even[j] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(_mm512_and_si512(bytes, nibble)), m[j]);  // = m + d q
+        odd[j] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), m[j]);  // exactly
+      }
+#pragma GCC unroll 24
+      for (int r = 0; r < MR; ++r) {
+        const __m512 a = _mm512_set1_ps(xt[k * ldx + r]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(a, even[j], acc[r][j]);
+      }
+#pragma GCC unroll 24
+      for (int r = 0; r < MR; ++r) {
+        const __m512 a = _mm512_set1_ps(xt[(k + 1) * ldx + r]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(a, odd[j], acc[r][j]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < NV; ++j) {
+    const __mmask16 mask = column_mask(cols - 16 * j);
+    const __m512 bias_j = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+#pragma GCC unroll 24
+    for (int r = 0; r < MR; ++r)
+      _mm512_mask_storeu_ps(out + r * ldo + 16 * j, mask, bias ? _mm512_add_ps(acc[r][j], bias_j) : acc[r][j]);
+  }
+}
+
+// ---- 8-bit blocks ----
+// Per panel, per 32 k: 16 d (half precision, one per column), then for each k the 16 columns' q.
+template <int MR, int NV>
+void tile(const float* xt, int64_t ldx, const int8_t* w, int64_t K, const float* bias, float* out, int64_t ldo,
+          int64_t cols) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 24
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t stride = panel_size(w, K);
+  for (int64_t kb = 0; kb < K / 32; ++kb) {
+    __m512 d[NV];
+    const int8_t* block[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      block[j] = w + j * stride + kb * kByteBlockBytes;
+      d[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block[j])));
+      for (int64_t line = 0; line < kByteBlockBytes; line += 64)  // two blocks (~1 KB) ahead
+        _mm_prefetch(reinterpret_cast<const char*>(block[j] + 2 * kByteBlockBytes + line), _MM_HINT_T0);
+    }
 #pragma GCC unroll 2
     for (int kk = 0; kk < 32; ++kk) {
       const int64_t k = kb * 32 + kk;
       __m512 b[NV];
 #pragma GCC unroll 4
       for (int j = 0; j < NV; ++j) {
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block[j] + 64 + kk * 8));
-        const __m512i q = _mm512_and_si512(
-            _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(bytes, bytes)), shifts), nibble);
-        b[j] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(q), m[j]);  // = m + d q, exactly
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block[j] + 32 + kk * 16));
+        b[j] = _mm512_mul_ps(d[j], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));  // = d q, exactly
       }
 #pragma GCC unroll 24
       for (int r = 0; r < MR; ++r) {
@@ -188,7 +248,7 @@ void rows(const float* xt, int64_t M, const W* w, int64_t K, const float* bias, 
 
 // Panels side by side in one tile: as many as the row count leaves registers for (4 x 6, 2 x 12 or
 // 1 x 24 accumulators of 16 floats). One or two rows take one panel at a time: a single stream from
-// memory read as fast as four side by side there (and the AVX2 path does so too).
+// memory read as fast as four side by side there, even for blocks (measured; and the AVX2 path does so too).
 inline int64_t tile_panels(int64_t M) { return M <= 2 ? 1 : M <= 6 ? 4 : M <= 12 ? 2 : 1; }
 
 // One work item: the output columns [0, cols) of tile_panels(M) panels, for all M rows.
@@ -241,9 +301,11 @@ void tile(const float* xt, int64_t ldx, const W* w, int64_t K, const float* bias
   }
 }
 
-constexpr bool kBlocks = false;  // 4-bit blocks are refused (linear checks): pack_blocks is never called here
+constexpr bool kBlocks = false;  // 4- and 8-bit blocks are refused (linear checks): never packed here
 template <int MR>
 void tile(const float*, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t, int64_t) {}
+template <int MR>
+void tile(const float*, int64_t, const int8_t*, int64_t, const float*, float*, int64_t, int64_t) {}
 
 inline int64_t tile_panels(int64_t) { return 1; }
 
@@ -513,13 +575,15 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, const 
                      int64_t N) {
   const int64_t K = x.size(-1);
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "linear takes float32 CPU input");
-  const bool blocks = panels.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(panels.scalar_type() == torch::kFloat32 || panels.scalar_type() == torch::kBFloat16 || (blocks && kBlocks),
-              "panels are float32 or bfloat16 (or, on AVX-512, 4-bit blocks)");
+  const bool nibbles = panels.scalar_type() == torch::kUInt8, bytes = panels.scalar_type() == torch::kChar;
+  TORCH_CHECK(panels.scalar_type() == torch::kFloat32 || panels.scalar_type() == torch::kBFloat16 ||
+                  ((nibbles || bytes) && kBlocks),
+              "panels are float32 or bfloat16 (or, on AVX-512, 4-bit or 8-bit blocks)");
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(0) * kPanel >= N &&
                   (panels.size(0) * kPanel) % kGroup == 0 &&
-                  (blocks ? K % 32 == 0 && panels.size(1) == K / 32 && panels.size(2) == kBlockBytes
-                          : panels.size(1) == K && panels.size(2) == kPanel),
+                  (nibbles || bytes ? K % 32 == 0 && panels.size(1) == K / 32 &&
+                                          panels.size(2) == (nibbles ? kBlockBytes : kByteBlockBytes)
+                                    : panels.size(1) == K && panels.size(2) == kPanel),
               "panels do not fit this input");
   const auto flat = x.reshape({-1, K});
   const int64_t M = flat.size(0);
@@ -558,7 +622,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, const 
       }
     });
   };
-  if (blocks) run(panels.data_ptr<uint8_t>());
+  if (nibbles) run(panels.data_ptr<uint8_t>());
+  else if (bytes) run(panels.data_ptr<int8_t>());
   else if (panels.scalar_type() == torch::kBFloat16) run(reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()));
   else run(panels.data_ptr<float>());
   return out.view(sizes);
@@ -824,5 +889,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder", &decoder, "a Llama decoder stack, its final norm and LM head, on these kernels");
   m.def("move_rows", &move_rows, "move KV cache rows towards the start in every buffer [B, G, capacity, D]");
   m.def("isa", &isa, "the instruction set this build uses");
-  m.def("blocks", &blocks, "whether linear takes 4-bit blocks (engine/native_kernels.py, pack_blocks)");
+  m.def("blocks", &blocks, "whether linear takes 4-bit and 8-bit blocks (engine/native_kernels.py, pack_blocks)");
 }

@@ -133,7 +133,7 @@ def native_build() -> NativeBuild:
     problem = self_check(module)
     if problem:
         return NativeBuild(None, f"failed its self-check ({problem}); PyTorch's kernels are used")
-    blocks = " (Q4_1-style weights as 4-bit blocks)" if module.blocks() else ""
+    blocks = " (Q4_1- and Q8_0-style weights as 4-bit and 8-bit blocks)" if module.blocks() else ""
     return NativeBuild(module, f"{module.isa()} float32 linear{blocks} and attention, built for this CPU in {build_dir()}")
 
 
@@ -156,7 +156,7 @@ def _load(folder: Path):
 
 def self_check(module) -> str | None:
     """Compare the linear kernel with F.linear on shapes that cover every tile and tail, with float32 and
-    bfloat16 panels (and 4-bit blocks with float32 panels), and the attention kernel with softmax
+    bfloat16 panels (and 4-bit and 8-bit blocks with float32 panels), and the attention kernel with softmax
     attention; None if they agree and each row of a block equals the row computed alone, bit for bit;
     else what went wrong."""
     generator = torch.Generator().manual_seed(0)
@@ -176,18 +176,22 @@ def self_check(module) -> str | None:
                 if not torch.equal(got, alone):
                     return f"a block of {rows} rows differs from its rows computed one at a time"
     if module.blocks():
-        # a Q4_1-style weight (m + d q per 32 inputs) as 4-bit blocks must give the float32 panels' bits
+        # a Q4_1-style weight (m + d q per 32 inputs) as 4-bit blocks and a Q8_0-style one (d q) as 8-bit
+        # blocks must give the float32 panels' bits
         scale = (torch.rand(100, 3, 1, generator=generator) * 0.02 + 1e-3).half().float()
         low = (-torch.rand(100, 3, 1, generator=generator) * 0.1).half().float()
         levels = torch.randint(0, 16, (100, 3, 32), generator=generator).float()
         levels[..., 0], levels[..., 1] = 0, 15
-        weight = torch.addcmul(low, scale, levels).view(100, 96)
-        blocks = pack_blocks(weight)
-        for rows in (1, 5, 9, 13, 30):
-            x = torch.randn(rows, 96, generator=generator)
-            if blocks is None or not torch.equal(module.linear(x, blocks, None, 100),
-                                                 module.linear(x, module.pack(weight, False), None, 100)):
-                return f"{rows} rows over 4-bit blocks differ from the same weight's float32 panels"
+        signed = torch.randint(-127, 128, (100, 3, 32), generator=generator).float()
+        signed[..., 0] = 127
+        for name, pack_kind, weight in (("4-bit", pack_blocks, torch.addcmul(low, scale, levels).view(100, 96)),
+                                        ("8-bit", pack_byte_blocks, (scale * signed).view(100, 96))):
+            blocks = pack_kind(weight)
+            for rows in (1, 5, 9, 13, 30):
+                x = torch.randn(rows, 96, generator=generator)
+                if blocks is None or not torch.equal(module.linear(x, blocks, None, 100),
+                                                     module.linear(x, module.pack(weight, False), None, 100)):
+                    return f"{rows} rows over {name} blocks differ from the same weight's float32 panels"
     return _attention_problem(module, generator)
 
 
@@ -224,7 +228,8 @@ def pack_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     the kernel's rebuilt weights, and so its outputs, are bit for bit the float32 ones.
 
     Layout (engine/native_kernels.cpp): per panel of 16 outputs and block of 32 inputs, the 16 d and the
-    16 m in half precision, then per input 8 bytes, byte j holding q of output j (low nibble) and j + 8."""
+    16 m in half precision, then per pair of inputs 2i, 2i + 1 16 bytes, byte j holding output j's q for
+    input 2i (low nibble) and 2i + 1 (high nibble)."""
     n, k = weight.shape
     if k % 32 or n == 0:
         return None
@@ -256,20 +261,63 @@ def pack_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     if todo.any():
         return None
     panels, per = padded // 16, k // 32
-
-    def per_column(x: torch.Tensor) -> torch.Tensor:  # [N', B, 1] -> [P, B, 32] bytes of 16 halves
-        return x.view(panels, 16, per).transpose(1, 2).contiguous().half().view(torch.uint8)
-
     q = q.to(torch.uint8).view(panels, 16, per, 32).permute(0, 2, 3, 1)  # [P, B, 32 inputs, 16 outputs]
-    nibbles = (q[..., :8] | (q[..., 8:] << 4)).reshape(panels, per, 256)
-    return torch.cat([per_column(d), per_column(low), nibbles], dim=-1).contiguous()  # [P, B, 320]
+    nibbles = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).reshape(panels, per, 256)  # inputs 2i, 2i + 1 share a byte
+    return torch.cat([_per_column(d), _per_column(low), nibbles], dim=-1).contiguous()  # [P, B, 320]
+
+
+def pack_byte_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+    """float32 [N, K] -> the native linear's 8-bit blocks, int8 [P, K / 32, 544], if every 32 consecutive
+    inputs of each output hold d * q exactly, with d half precision and q = -128..127 (what a Q8_0 GGUF
+    dequantises to: the embedded default's tied LM head); else None. d * q needs 19 bits, so the
+    kernel's rebuilt weights are the float32 ones and its outputs those of the float32 panels.
+
+    Layout: per panel of 16 outputs and block of 32 inputs, the 16 d in half precision, then per input
+    the 16 outputs' q."""
+    n, k = weight.shape
+    if k % 32 or n == 0:
+        return None
+    padded = (n + 63) // 64 * 64
+    full = weight.new_zeros(padded, k)
+    full[:n] = weight
+    blocks = full.view(padded, k // 32, 32)  # [N', B, 32]
+    # d is max |w| / 127 to half precision, give or take the rounding of the quantiser: try neighbours
+    nearest = (blocks.abs().amax(-1, keepdim=True) / 127).half().view(torch.int16)  # [N', B, 1]
+    d = torch.full_like(blocks[..., :1], float("nan"))
+    q = torch.zeros_like(blocks)
+    todo = torch.ones(blocks.shape[:2], dtype=torch.bool)  # [N', B]: blocks without an exact (d, q) yet
+    for step in (0, -1, 1):
+        part = blocks[todo]  # [n, 32]
+        trial = (nearest[todo] + step).view(torch.float16).float()  # [n, 1]
+        levels = torch.where(trial > 0, torch.round(part / trial), torch.zeros_like(part)).clamp(-128, 127)
+        exact = (trial * levels == part).all(-1)  # [n]
+        where = todo.nonzero()[exact]  # [found, 2]
+        d[where[:, 0], where[:, 1]] = trial[exact]
+        q[where[:, 0], where[:, 1]] = levels[exact]
+        todo[where[:, 0], where[:, 1]] = False
+        if not todo.any():
+            break
+        if step == 0 and todo.float().mean() > 0.5:  # a quantiser's d fits nearly every block: not Q8_0
+            return None
+    if todo.any():
+        return None
+    panels, per = padded // 16, k // 32
+    q = q.to(torch.int8).view(panels, 16, per, 32).permute(0, 2, 3, 1).reshape(panels, per, 512)  # [P, B, 32 x 16]
+    return torch.cat([_per_column(d).view(torch.int8), q], dim=-1).contiguous()  # [P, B, 544]
+
+
+def _per_column(x: torch.Tensor) -> torch.Tensor:
+    """[N', B, 1] one value per output and block -> [P, B, 32]: per panel the bytes of its 16 halves."""
+    padded, per = x.shape[:2]
+    return x.view(padded // 16, 16, per).transpose(1, 2).contiguous().half().view(torch.uint8)
 
 
 class NativeLinear(nn.Module):
     """y = x W^T + b on SpecLens's native kernel (float32 activations, CPU inference only).
 
     The weight is held as float32 panels; as 4-bit blocks where it is exactly a Q4_1-style weight
-    (pack_blocks: 5 bits a weight to stream instead of 32, the same outputs bit for bit); or as bfloat16
+    (pack_blocks: 5 bits a weight to stream instead of 32, the same outputs bit for bit); as 8-bit
+    blocks where it is exactly a Q8_0-style one (pack_byte_blocks: 8.5 bits, likewise); or as bfloat16
     panels for drafters (`bfloat16`: half the bytes to stream, widened exactly to float32 in the kernel;
     a drafter's precision never touches exactness). `weight` stays reachable only where other code
     reads it (`keep_weight`: the output embedding, whose rows EAGLE drafts from and which training
@@ -281,7 +329,10 @@ class NativeLinear(nn.Module):
         self.kernel = module
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         weight32 = weight.detach().float().contiguous()
-        blocks = None if bfloat16 or not module.blocks() else pack_blocks(weight32)
+        blocks = None
+        if not bfloat16 and module.blocks():
+            blocks = pack_blocks(weight32)
+            blocks = pack_byte_blocks(weight32) if blocks is None else blocks
         self.panels = module.pack(weight32, bfloat16) if blocks is None else blocks  # not a parameter
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self.weight = weight if keep_weight else None
@@ -292,7 +343,8 @@ class NativeLinear(nn.Module):
         return self.kernel.linear(x.float(), self.panels, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
-        weights = "4-bit block" if self.panels.dtype == torch.uint8 else str(self.panels.dtype).removeprefix("torch.")
+        weights = {torch.uint8: "4-bit block", torch.int8: "8-bit block"}.get(
+            self.panels.dtype, str(self.panels.dtype).removeprefix("torch."))
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel=native ({weights} weights)"
 
 

@@ -87,7 +87,6 @@ def test_each_output_is_one_fma_chain_in_input_order():
     assert not np.array_equal(got, (x.double() @ weight.double().T).float().numpy())
 
 
-@needs_native
 def _q4_weight(n: int, k: int, seed: int) -> torch.Tensor:
     """A float32 [n, k] weight as a Q4_1 GGUF dequantises to: per 32 inputs m + d * q, d and m half
     precision, q = 0..15 with the block's extremes at 0 and 15 (as the quantiser sets d and m)."""
@@ -99,21 +98,36 @@ def _q4_weight(n: int, k: int, seed: int) -> torch.Tensor:
     return torch.addcmul(m, d, q).view(n, k)
 
 
-needs_blocks = pytest.mark.skipif(native is None or not native.blocks(), reason="4-bit blocks need an AVX-512 build")
+def _q8_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """A float32 [n, k] weight as a Q8_0 GGUF dequantises to: per 32 inputs d * q, d half precision,
+    q = -127..127 with the block's largest magnitude at 127 (as the quantiser sets d = max |w| / 127)."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.002 + 1e-4).half().float()
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    q[..., 0] = 127 * torch.where(torch.rand(n, k // 32, generator=g) < 0.5, -1.0, 1.0)
+    return (d * q).view(n, k)
+
+
+# (name, a weight of that kind, its packer, the packed dtype, bytes per panel per 32 inputs)
+BLOCK_FORMATS = [("4-bit", _q4_weight, native_kernels.pack_blocks, torch.uint8, 320),
+                 ("8-bit", _q8_weight, native_kernels.pack_byte_blocks, torch.int8, 544)]
+needs_blocks = pytest.mark.skipif(native is None or not native.blocks(), reason="blocks need an AVX-512 build")
 
 
 @needs_blocks
 @pytest.mark.parametrize("bias", [False, True])
-def test_4bit_blocks_give_the_float32_panels_bits(bias):
-    """A Q4_1-style weight is packed as 4-bit blocks (5 bits a weight to stream), and every output is bit
-    for bit what the float32 panels give: for every tile shape, alone or in any block, on two threads."""
-    weight = _q4_weight(200, 576, seed=3)  # 200 outputs: panels padded to 256, a ragged last tile
+@pytest.mark.parametrize("name, make, packer, dtype, block_bytes", BLOCK_FORMATS, ids=[f[0] for f in BLOCK_FORMATS])
+def test_blocks_give_the_float32_panels_bits(bias, name, make, packer, dtype, block_bytes):
+    """A Q4_1-style weight is packed as 4-bit blocks (5 bits a weight to stream), a Q8_0-style one as
+    8-bit blocks (8.5 bits), and every output is bit for bit what the float32 panels give: for every
+    tile shape, alone or in any block, on two threads."""
+    weight = make(200, 576, seed=3)  # 200 outputs: panels padded to 256, a ragged last tile
     b = torch.randn(200) if bias else None
     layer = NativeLinear(native, weight, b)
-    assert layer.panels.dtype == torch.uint8 and layer.panels.shape == (16, 576 // 32, 320)
-    assert "4-bit block" in repr(layer)
+    assert layer.panels.dtype == dtype and layer.panels.shape == (16, 576 // 32, block_bytes)
+    assert f"{name} block" in repr(layer)
     panels = native.pack(weight, False)  # float32
-    assert layer.panels.numel() * 6 < panels.numel() * 4  # under a sixth of the float32 panels' bytes
+    assert layer.panels.numel() * 32 <= panels.numel() * 4 * 8.5  # at most 8.5 of the 32 bits a weight
     block = torch.randn(40, 576)
     threads = torch.get_num_threads()
     with torch.inference_mode():
@@ -126,22 +140,30 @@ def test_4bit_blocks_give_the_float32_panels_bits(bias):
             torch.set_num_threads(threads)
 
 
-def test_only_weights_that_rebuild_exactly_become_4bit_blocks():
-    weight = _q4_weight(64, 96, seed=4)
-    assert native_kernels.pack_blocks(weight) is not None
+@pytest.mark.parametrize("name, make, packer, dtype, block_bytes", BLOCK_FORMATS, ids=[f[0] for f in BLOCK_FORMATS])
+def test_only_weights_that_rebuild_exactly_become_blocks(name, make, packer, dtype, block_bytes):
+    weight = make(64, 96, seed=4)
+    assert packer(weight) is not None
     nudged = weight.clone()
     nudged[5, 40] = torch.nextafter(nudged[5, 40], torch.tensor(1.0))  # one weight one ulp off its level
-    assert native_kernels.pack_blocks(nudged) is None
-    assert native_kernels.pack_blocks(torch.randn(64, 96)) is None  # an ordinary float32 weight
-    assert native_kernels.pack_blocks(_q4_weight(64, 96, seed=4)[:, :80]) is None  # inputs not in blocks of 32
+    assert packer(nudged) is None
+    assert packer(torch.randn(64, 96)) is None  # an ordinary float32 weight
+    assert packer(make(64, 96, seed=4)[:, :80]) is None  # inputs not in blocks of 32
+    assert packer(torch.zeros(64, 96)) is not None  # all-zero blocks are both kinds (d = 0)
     if native is not None:
         assert NativeLinear(native, nudged, None).panels.dtype == torch.float32  # which stays float32 panels
 
 
+def test_the_two_block_kinds_do_not_take_each_others_weights():
+    assert native_kernels.pack_byte_blocks(_q4_weight(64, 96, seed=5)) is None
+    assert native_kernels.pack_blocks(_q8_weight(64, 96, seed=5)) is None
+
+
 @needs_blocks
-def test_a_target_of_4bit_blocks_decodes_exactly_as_with_float32_panels(monkeypatch):
-    """A tiny model whose decoder weights are Q4_1-style: on 4-bit blocks (the lean forward included) its
-    logits for a prompt, a verified chain and a tree are bit for bit those of the float32 panels."""
+def test_a_target_of_blocks_decodes_exactly_as_with_float32_panels(monkeypatch):
+    """A tiny model whose decoder weights are Q4_1-style and whose LM head is Q8_0-style (as the embedded
+    default's): on 4-bit and 8-bit blocks (the lean forward included) its logits for a prompt, a verified
+    chain and a tree are bit for bit those of the float32 panels."""
     def quantised():
         model = tiny_llama(seed=0)
         with torch.no_grad():
@@ -149,6 +171,7 @@ def test_a_target_of_4bit_blocks_decodes_exactly_as_with_float32_panels(monkeypa
                 for j, linear in enumerate([*layer.self_attn.children(), *layer.mlp.children()]):
                     if isinstance(linear, torch.nn.Linear):
                         linear.weight.copy_(_q4_weight(*linear.weight.shape, seed=10 * i + j))
+            model.lm_head.weight.copy_(_q8_weight(*model.lm_head.weight.shape, seed=99) * 64)  # peaked, still d q
         _use_cpu_kernels(model, "native", torch.float32, lambda *a: None)
         return model
 
@@ -163,10 +186,13 @@ def test_a_target_of_4bit_blocks_decodes_exactly_as_with_float32_panels(monkeypa
 
     blocks = quantised()
     assert blocks.model.layers[0].mlp.down_proj.panels.dtype == torch.uint8
+    assert blocks.lm_head.panels.dtype == torch.int8
     assert CachedModel(blocks).lean is not None  # the whole decoder in one native call, on blocks
     monkeypatch.setattr(native_kernels, "pack_blocks", lambda weight: None)
+    monkeypatch.setattr(native_kernels, "pack_byte_blocks", lambda weight: None)
     float_panels = quantised()
     assert float_panels.model.layers[0].mlp.down_proj.panels.dtype == torch.float32
+    assert float_panels.lm_head.panels.dtype == torch.float32
     for got, want in zip(logits(blocks), logits(float_panels)):
         assert torch.equal(got, want)
 
@@ -245,15 +271,16 @@ def test_a_failing_self_check_keeps_the_kernel_out():
     if native is not None:
         assert native_kernels.self_check(native) is None
     if native is not None and native.blocks():
-        class WrongBlocks:  # right on float32 and bfloat16 panels, one ulp off on 4-bit blocks
-            pack, attention, blocks = native.pack, native.attention, native.blocks
+        for dtype, name in ((torch.uint8, "4-bit"), (torch.int8, "8-bit")):
+            class WrongBlocks:  # right on float32 and bfloat16 panels and one kind of blocks, one ulp off on the other
+                pack, attention, blocks = native.pack, native.attention, native.blocks
 
-            @staticmethod
-            def linear(x, panels, bias, out_features):
-                out = native.linear(x, panels, bias, out_features)
-                return torch.nextafter(out, out + 1) if panels.dtype == torch.uint8 else out
+                @staticmethod
+                def linear(x, panels, bias, out_features):
+                    out = native.linear(x, panels, bias, out_features)
+                    return torch.nextafter(out, out + 1) if panels.dtype == dtype else out
 
-        assert "4-bit blocks differ" in native_kernels.self_check(WrongBlocks)
+            assert f"{name} blocks differ" in native_kernels.self_check(WrongBlocks)
 
 
 def _reference_attention(q, k, v, allowed, scale):

@@ -102,7 +102,8 @@ class Engine:
         for folder, config in configs.items():
             if not is_datastore(config):
                 self._drafters.update(
-                    _head_drafters(folder, config, self.target_lm, tree_budget(target.device, budget), store))
+                    _head_drafters(folder, config, self.target_lm, tree_budget(target.device, budget), store,
+                                   merged_tree_cut(target.device, budget)))
         self.eos_ids = _eos_ids(target)
 
     @classmethod
@@ -194,20 +195,30 @@ def _load_datastore(folder: Path) -> Datastore:
 # as copied spans run long and set phrases short.
 LOOKUP_CHAIN_TOKENS = 8
 STORE_CHAIN_TOKENS = 2
-# On a CPU, eagle_lookup's merged tree keeps its 4 most valuable nodes (or the asked budget, if larger).
-# With the target's decoder on 4-bit blocks a one-token forward no longer waits on memory, so every
-# verified token costs nearly its own arithmetic: cuts of 2, 3, 4, 5, 6 and 10 nodes ran at 0.99-1.00x,
-# 1.01-1.03x, 1.02-1.08x, 1.02-1.04x, 0.97-0.99x and 0.92-0.93x plain decoding on our own prompts
-# (resources/prompts/bench.jsonl, two cores; README, "Choosing the tree's nodes"). A GPU verifies a few
-# dozen at about the cost of one: no cut there.
-CPU_TREE_NODES = 4
+# On a CPU, eagle_lookup's merged tree (of a 4-node EAGLE tree and the chains) keeps its 2 most valuable
+# nodes, or the asked tree budget if larger (merged_tree_cut).
+# With the target's decoder on 4-bit blocks and its LM head on 8-bit blocks, a one-token forward no
+# longer waits on memory, so every verified token costs nearly its own arithmetic: cuts of 2, 3 and 4
+# nodes ran at 0.91-0.94x, 0.90x and 0.83-0.84x plain decoding on our own prompts
+# (resources/prompts/bench.jsonl, two cores, two interleaved rounds; README, "Choosing the tree's
+# nodes"): on two cores no cut beats plain decoding, and 2 loses least. A GPU verifies a few dozen
+# tokens at about the cost of one: no cut there.
+CPU_TREE_NODES = 2
+
+
+def merged_tree_cut(device: torch.device, asked: int | None = None) -> int | None:
+    """How many nodes eagle_lookup's merged tree keeps (None: all): on a CPU CPU_TREE_NODES, or the
+    asked tree budget if larger; on a GPU no cut."""
+    if device.type != "cpu":
+        return None
+    return CPU_TREE_NODES if asked is None else max(asked, CPU_TREE_NODES)
 
 
 def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
-                   store: Datastore | None) -> dict[str, TreeDrafter]:
+                   store: Datastore | None, cut: int | None) -> dict[str, TreeDrafter]:
     """The methods a folder of trained heads adds: EAGLE (dynamic tree, chain, tree with the lookup
-    chains grafted in: prompt lookup's and the datastore's when there is one) or Medusa; trees of
-    `budget` nodes."""
+    chains grafted in, prompt lookup's and the datastore's when there is one, cut to `cut` nodes) or
+    Medusa; trees of `budget` nodes."""
     from engine.drafters.eagle import EagleDrafter, EagleHead
     from engine.drafters.medusa import MedusaDrafter, MedusaHeads, sparse_tree_paths
 
@@ -234,8 +245,7 @@ def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
     return {
         "eagle": tree,
         "eagle_chain": EagleDrafter(head, target, shape=TreeShape.from_paths(CHAIN_PATHS), name="eagle_chain"),
-        "eagle_lookup": LookupGraftedDrafter(tree, "eagle_lookup", store, LOOKUP_CHAIN_TOKENS, STORE_CHAIN_TOKENS,
-                                             max(budget, CPU_TREE_NODES) if target.device.type == "cpu" else None),
+        "eagle_lookup": LookupGraftedDrafter(tree, "eagle_lookup", store, LOOKUP_CHAIN_TOKENS, STORE_CHAIN_TOKENS, cut),
     }
 
 

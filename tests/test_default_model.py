@@ -63,7 +63,7 @@ def test_verification_scores_every_token_exactly_as_plain_decoding(engine):
     from engine.cache import CachedModel
     from engine.cpu_kernels import native_kernel_of
     from engine.native_kernels import native_build
-    from engine.tree import ancestor_path
+    from engine.tree import LookupGraftedDrafter, ancestor_path
 
     if native_kernel_of(engine.target.model) is None:
         pytest.skip(f"native kernels unavailable: {native_build().message}")
@@ -71,7 +71,10 @@ def test_verification_scores_every_token_exactly_as_plain_decoding(engine):
     ids = engine.encode_chat([{"role": "user", "content": "Write a short poem about the sea."}])
     target = CachedModel(engine.target.model, engine.target_lm.n_vocab)
     target.prefill(ids)
-    tree = engine.drafter("eagle_lookup").propose_tree(ids, 4, GenerationConfig().sampling, None)
+    shipped = engine.drafter("eagle_lookup")
+    uncut = LookupGraftedDrafter(shipped.base, "eagle_lookup", shipped.store, shipped.lookup_tokens,
+                                 shipped.store_tokens)  # the whole merged tree, not the CPU's few nodes
+    tree = uncut.propose_tree(ids, 4, GenerationConfig().sampling, None)
     tokens, parents = tree.tokens.tolist(), list(tree.parents)
     assert len(tokens) > 4
     logits = target.forward_tree(ids, tokens, parents)  # [N, V]
@@ -110,18 +113,22 @@ def test_every_method_greedy_equals_plain_decoding_with_one_row_stock_kernels(bl
 
 
 def test_head_methods_use_the_device_tree_budget(engine):
-    from engine.session import EngineError, eagle_top_k, tree_budget
+    from engine.session import CPU_TREE_NODES, EngineError, eagle_top_k, merged_tree_cut, tree_budget
 
     assert tree_budget(torch.device("cpu")) == 4 and tree_budget(torch.device("cuda")) == 32
     assert tree_budget(torch.device("cpu"), 16) == 16
     with pytest.raises(EngineError, match="1..64"):
         tree_budget(torch.device("cpu"), 0)
     assert [eagle_top_k(b) for b in (4, 8, 16, 32)] == [2, 4, 4, 8]
+    # eagle_lookup's merged tree: cut on a CPU (to an asked budget if larger), whole on a GPU
+    assert CPU_TREE_NODES == 2 and merged_tree_cut(torch.device("cpu")) == 2
+    assert merged_tree_cut(torch.device("cpu"), 1) == 2 and merged_tree_cut(torch.device("cpu"), 16) == 16
+    assert merged_tree_cut(torch.device("cuda")) is None and merged_tree_cut(torch.device("cuda"), 16) is None
     assert engine.target.device.type == "cpu"
     eagle = engine.drafter("eagle")
     assert (eagle.budget, eagle.top_k) == (4, 2)
     assert engine.drafter("eagle_lookup").base is eagle  # one EAGLE drafter, with or without lookup
-    assert engine.drafter("eagle_lookup").max_nodes == 4  # the merged tree cut to what pays on a CPU
+    assert engine.drafter("eagle_lookup").max_nodes == 2  # the merged tree cut to what loses least on a CPU
     assert len(engine.drafter("medusa").shape.parents) == 1 + 4  # a sparse tree of 4 nodes below the root
     # the shipped heads draft from the 8192 most frequent answer tokens: a sixth of the LM head per step
     hidden = torch.zeros(1, engine.target.model.config.hidden_size)

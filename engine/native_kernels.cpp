@@ -77,16 +77,48 @@ inline __m512 load_line(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+// The outputs of rows [0, MR) times NV panels, held in registers while a tile runs over k: every tile
+// (float32 or bfloat16 lines, 4-bit or 8-bit blocks) starts it at zero, adds one k at a time, stores it.
+template <int MR, int NV>
+struct Accumulators {
+  __m512 acc[MR][NV];
+
+  __attribute__((always_inline)) Accumulators() {
+#pragma GCC unroll 24
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+
+  // acc[r][j] += x[r] * b[j]: one k of each output's chain (x: the rows' inputs at k; b: NV panels' weights)
+  __attribute__((always_inline)) void add(const float* x, const __m512* b) {
+#pragma GCC unroll 24
+    for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(a, b[j], acc[r][j]);
+    }
+  }
+
+  // out[r, 16 j + c] = acc[r][j][c] (+ bias[16 j + c]) for the `cols` valid columns
+  __attribute__((always_inline)) void store(const float* bias, float* out, int64_t ldo, int64_t cols) const {
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      const __mmask16 mask = column_mask(cols - 16 * j);
+      const __m512 bias_j = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
+#pragma GCC unroll 24
+      for (int r = 0; r < MR; ++r)
+        _mm512_mask_storeu_ps(out + r * ldo + 16 * j, mask, bias ? _mm512_add_ps(acc[r][j], bias_j) : acc[r][j]);
+    }
+  }
+};
+
 // Rows [0, MR) times NV panels. xt: the rows transposed, [K, ldx]; w: the first panel [K, 16],
 // later panels K * 16 weights apart; out: [MR, ldo], `cols` valid columns from out[0].
 template <int MR, int NV, typename W>
 void tile(const float* xt, int64_t ldx, const W* w, int64_t K, const float* bias, float* out, int64_t ldo,
           int64_t cols) {
-  __m512 acc[MR][NV];
-#pragma GCC unroll 24
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
+  Accumulators<MR, NV> acc;
   for (int64_t k = 0; k < K; ++k) {
     const W* wk = w + k * kPanel;
     __m512 b[NV];
@@ -95,23 +127,9 @@ void tile(const float* xt, int64_t ldx, const W* w, int64_t K, const float* bias
       b[j] = load_line(wk + j * K * kPanel);
       _mm_prefetch(reinterpret_cast<const char*>(wk + j * K * kPanel + kPrefetch * kPanel), _MM_HINT_T0);
     }
-#pragma GCC unroll 24
-    for (int r = 0; r < MR; ++r) {
-      const __m512 a = _mm512_set1_ps(xt[k * ldx + r]);
-#pragma GCC unroll 4
-      for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(a, b[j], acc[r][j]);
-    }
+    acc.add(xt + k * ldx, b);
   }
-#pragma GCC unroll 4
-  for (int j = 0; j < NV; ++j) {
-    const __mmask16 mask = column_mask(cols - 16 * j);
-    const __m512 bias_j = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
-#pragma GCC unroll 24
-    for (int r = 0; r < MR; ++r) {
-      const __m512 y = bias ? _mm512_add_ps(acc[r][j], bias_j) : acc[r][j];
-      _mm512_mask_storeu_ps(out + r * ldo + 16 * j, mask, y);
-    }
-  }
+  acc.store(bias, out, ldo, cols);
 }
 
 // ---- 4-bit blocks ----
@@ -123,11 +141,7 @@ constexpr bool kBlocks = true;
 template <int MR, int NV>
 void tile(const float* xt, int64_t ldx, const uint8_t* w, int64_t K, const float* bias, float* out, int64_t ldo,
           int64_t cols) {
-  __m512 acc[MR][NV];
-#pragma GCC unroll 24
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
+  Accumulators<MR, NV> acc;
   const int64_t stride = panel_size(w, K);
   const __m512i nibble = _mm512_set1_epi32(15);
   for (int64_t kb = 0; kb < K / 32; ++kb) {
@@ -151,28 +165,11 @@ void tile(const float* xt, int64_t ldx, const uint8_t* w, int64_t K, const float
         even[j] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(_mm512_and_si512(bytes, nibble)), m[j]);  // = m + d q
         odd[j] = _mm512_fmadd_ps(d[j], _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), m[j]);  // exactly
       }
-#pragma GCC unroll 24
-      for (int r = 0; r < MR; ++r) {
-        const __m512 a = _mm512_set1_ps(xt[k * ldx + r]);
-#pragma GCC unroll 4
-        for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(a, even[j], acc[r][j]);
-      }
-#pragma GCC unroll 24
-      for (int r = 0; r < MR; ++r) {
-        const __m512 a = _mm512_set1_ps(xt[(k + 1) * ldx + r]);
-#pragma GCC unroll 4
-        for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(a, odd[j], acc[r][j]);
-      }
+      acc.add(xt + k * ldx, even);
+      acc.add(xt + (k + 1) * ldx, odd);
     }
   }
-#pragma GCC unroll 4
-  for (int j = 0; j < NV; ++j) {
-    const __mmask16 mask = column_mask(cols - 16 * j);
-    const __m512 bias_j = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
-#pragma GCC unroll 24
-    for (int r = 0; r < MR; ++r)
-      _mm512_mask_storeu_ps(out + r * ldo + 16 * j, mask, bias ? _mm512_add_ps(acc[r][j], bias_j) : acc[r][j]);
-  }
+  acc.store(bias, out, ldo, cols);
 }
 
 // ---- 8-bit blocks ----
@@ -180,11 +177,7 @@ void tile(const float* xt, int64_t ldx, const uint8_t* w, int64_t K, const float
 template <int MR, int NV>
 void tile(const float* xt, int64_t ldx, const int8_t* w, int64_t K, const float* bias, float* out, int64_t ldo,
           int64_t cols) {
-  __m512 acc[MR][NV];
-#pragma GCC unroll 24
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
+  Accumulators<MR, NV> acc;
   const int64_t stride = panel_size(w, K);
   for (int64_t kb = 0; kb < K / 32; ++kb) {
     __m512 d[NV];
@@ -205,22 +198,10 @@ void tile(const float* xt, int64_t ldx, const int8_t* w, int64_t K, const float*
         const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block[j] + 32 + kk * 16));
         b[j] = _mm512_mul_ps(d[j], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));  // = d q, exactly
       }
-#pragma GCC unroll 24
-      for (int r = 0; r < MR; ++r) {
-        const __m512 a = _mm512_set1_ps(xt[k * ldx + r]);
-#pragma GCC unroll 4
-        for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_fmadd_ps(a, b[j], acc[r][j]);
-      }
+      acc.add(xt + k * ldx, b);
     }
   }
-#pragma GCC unroll 4
-  for (int j = 0; j < NV; ++j) {
-    const __mmask16 mask = column_mask(cols - 16 * j);
-    const __m512 bias_j = bias ? _mm512_maskz_loadu_ps(mask, bias + 16 * j) : _mm512_setzero_ps();
-#pragma GCC unroll 24
-    for (int r = 0; r < MR; ++r)
-      _mm512_mask_storeu_ps(out + r * ldo + 16 * j, mask, bias ? _mm512_add_ps(acc[r][j], bias_j) : acc[r][j]);
-  }
+  acc.store(bias, out, ldo, cols);
 }
 
 // Tiles of up to MAXR rows over NV panels for all M rows.

@@ -230,37 +230,18 @@ def pack_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     Layout (engine/native_kernels.cpp): per panel of 16 outputs and block of 32 inputs, the 16 d and the
     16 m in half precision, then per pair of inputs 2i, 2i + 1 16 bytes, byte j holding output j's q for
     input 2i (low nibble) and 2i + 1 (high nibble)."""
-    n, k = weight.shape
-    if k % 32 or n == 0:
+    blocks = _blocks_of_32(weight)
+    if blocks is None:
         return None
-    padded = (n + 63) // 64 * 64
-    full = weight.new_zeros(padded, k)
-    full[:n] = weight
-    blocks = full.view(padded, k // 32, 32)  # [N', B, 32]
     low = blocks.amin(-1, keepdim=True)  # [N', B, 1]: m is the smallest weight (q = 0)
     if not torch.equal(low.half().float(), low):
         return None
-    # d is (max - min) / 15 to half precision, give or take the rounding of the quantiser: try neighbours
-    nearest = ((blocks.amax(-1, keepdim=True) - low) / 15).half().view(torch.int16)  # [N', B, 1]
-    d = torch.full_like(low, float("nan"))
-    q = torch.zeros_like(blocks)
-    todo = torch.ones(low.shape[:2], dtype=torch.bool)  # [N', B]: blocks without an exact (d, q) yet
-    for step in (0, -1, 1, -2, 2):
-        part, base = blocks[todo], low[todo]  # [n, 32], [n, 1]
-        trial = (nearest[todo] + step).view(torch.float16).float()  # [n, 1]
-        levels = torch.where(trial > 0, torch.round((part - base) / trial), torch.zeros_like(part)).clamp(0, 15)
-        exact = (torch.addcmul(base, trial, levels) == part).all(-1)  # [n]
-        where = todo.nonzero()[exact]  # [found, 2]
-        d[where[:, 0], where[:, 1]] = trial[exact]
-        q[where[:, 0], where[:, 1]] = levels[exact]
-        todo[where[:, 0], where[:, 1]] = False
-        if not todo.any():
-            break
-        if step == 0 and todo.float().mean() > 0.5:  # a quantiser's d fits nearly every block: not Q4_1
-            return None
-    if todo.any():
+    # d is (max - min) / 15 to half precision, give or take the rounding of the quantiser
+    found = _exact_levels(blocks, low, (blocks.amax(-1, keepdim=True) - low) / 15, (0, -1, 1, -2, 2), 0, 15)
+    if found is None:
         return None
-    panels, per = padded // 16, k // 32
+    d, q = found
+    panels, per = blocks.shape[0] // 16, blocks.shape[1]
     q = q.to(torch.uint8).view(panels, 16, per, 32).permute(0, 2, 3, 1)  # [P, B, 32 inputs, 16 outputs]
     nibbles = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).reshape(panels, per, 256)  # inputs 2i, 2i + 1 share a byte
     return torch.cat([_per_column(d), _per_column(low), nibbles], dim=-1).contiguous()  # [P, B, 320]
@@ -274,36 +255,63 @@ def pack_byte_blocks(weight: torch.Tensor) -> torch.Tensor | None:
 
     Layout: per panel of 16 outputs and block of 32 inputs, the 16 d in half precision, then per input
     the 16 outputs' q."""
+    blocks = _blocks_of_32(weight)
+    if blocks is None:
+        return None
+    # d is max |w| / 127 to half precision, give or take the rounding of the quantiser
+    zero = torch.zeros_like(blocks[..., :1])  # [N', B, 1]
+    found = _exact_levels(blocks, zero, blocks.abs().amax(-1, keepdim=True) / 127, (0, -1, 1), -128, 127)
+    if found is None:
+        return None
+    d, q = found
+    panels, per = blocks.shape[0] // 16, blocks.shape[1]
+    q = q.to(torch.int8).view(panels, 16, per, 32).permute(0, 2, 3, 1).reshape(panels, per, 512)  # [P, B, 32 x 16]
+    return torch.cat([_per_column(d).view(torch.int8), q], dim=-1).contiguous()  # [P, B, 544]
+
+
+def _blocks_of_32(weight: torch.Tensor) -> torch.Tensor | None:
+    """float32 [N, K] -> [N', B, 32]: N zero padded to a multiple of 64, the inputs in blocks of 32
+    (None if K is not a multiple of 32)."""
     n, k = weight.shape
     if k % 32 or n == 0:
         return None
     padded = (n + 63) // 64 * 64
     full = weight.new_zeros(padded, k)
     full[:n] = weight
-    blocks = full.view(padded, k // 32, 32)  # [N', B, 32]
-    # d is max |w| / 127 to half precision, give or take the rounding of the quantiser: try neighbours
-    nearest = (blocks.abs().amax(-1, keepdim=True) / 127).half().view(torch.int16)  # [N', B, 1]
-    d = torch.full_like(blocks[..., :1], float("nan"))
-    q = torch.zeros_like(blocks)
-    todo = torch.ones(blocks.shape[:2], dtype=torch.bool)  # [N', B]: blocks without an exact (d, q) yet
-    for step in (0, -1, 1):
-        part = blocks[todo]  # [n, 32]
-        trial = (nearest[todo] + step).view(torch.float16).float()  # [n, 1]
-        levels = torch.where(trial > 0, torch.round(part / trial), torch.zeros_like(part)).clamp(-128, 127)
-        exact = (trial * levels == part).all(-1)  # [n]
-        where = todo.nonzero()[exact]  # [found, 2]
-        d[where[:, 0], where[:, 1]] = trial[exact]
-        q[where[:, 0], where[:, 1]] = levels[exact]
-        todo[where[:, 0], where[:, 1]] = False
-        if not todo.any():
-            break
-        if step == 0 and todo.float().mean() > 0.5:  # a quantiser's d fits nearly every block: not Q8_0
-            return None
-    if todo.any():
+    return full.view(padded, k // 32, 32)
+
+
+def _exact_levels(blocks: torch.Tensor, base: torch.Tensor, estimate: torch.Tensor, steps: tuple[int, ...],
+                  lowest: int, highest: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per block a half-precision d and integer levels q in [lowest, highest] with base + d * q equal to
+    the block exactly: blocks [N', B, 32], base and estimate (of d) [N', B, 1] -> (d [N', B, 1],
+    q [N', B, 32]) as floats. Tries the halves `steps` ulps from the estimate, in order; None if some
+    block fits none, or most fit not even the estimate itself (the weight is not this quantiser's: a
+    single pass then decides)."""
+    nearest = estimate.half().view(torch.int16)  # [N', B, 1]
+
+    def trial(step: int, part: torch.Tensor, offset: torch.Tensor, bits: torch.Tensor):
+        d = (bits + step).view(torch.float16).float()  # [n, 1]
+        q = torch.where(d > 0, torch.round((part - offset) / d), torch.zeros_like(part)).clamp(lowest, highest)
+        return d, q, (torch.addcmul(offset, d, q) == part).all(-1)  # [n, 1], [n, 32], [n]
+
+    # the first trial over every block at once (no indexing: a whole LM head is 900k blocks), then
+    # the neighbours over just the blocks still without an exact fit
+    d, q, exact = trial(steps[0], blocks, base, nearest)
+    if exact.all():
+        return d, q
+    if exact.float().mean() < 0.5:
         return None
-    panels, per = padded // 16, k // 32
-    q = q.to(torch.int8).view(panels, 16, per, 32).permute(0, 2, 3, 1).reshape(panels, per, 512)  # [P, B, 32 x 16]
-    return torch.cat([_per_column(d).view(torch.int8), q], dim=-1).contiguous()  # [P, B, 544]
+    for step in steps[1:]:
+        todo = (~exact).nonzero()  # [n, 2]
+        rows, cols = todo[:, 0], todo[:, 1]
+        d_t, q_t, fits = trial(step, blocks[rows, cols], base[rows, cols], nearest[rows, cols])
+        d[rows[fits], cols[fits]] = d_t[fits]
+        q[rows[fits], cols[fits]] = q_t[fits]
+        exact[rows[fits], cols[fits]] = True
+        if exact.all():
+            return d, q
+    return None
 
 
 def _per_column(x: torch.Tensor) -> torch.Tensor:

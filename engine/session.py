@@ -103,7 +103,7 @@ class Engine:
             if not is_datastore(config):
                 self._drafters.update(
                     _head_drafters(folder, config, self.target_lm, tree_budget(target.device, budget), store,
-                                   merged_tree_cut(target.device, budget)))
+                                   step_rows(target.device, budget)))
         self.eos_ids = _eos_ids(target)
 
     @classmethod
@@ -195,30 +195,26 @@ def _load_datastore(folder: Path) -> Datastore:
 # as copied spans run long and set phrases short.
 LOOKUP_CHAIN_TOKENS = 8
 STORE_CHAIN_TOKENS = 2
-# On a CPU, eagle_lookup's merged tree (of a 4-node EAGLE tree and the chains) keeps its 2 most valuable
-# nodes, or the asked tree budget if larger (merged_tree_cut).
-# With the target's decoder on 4-bit blocks and its LM head on 8-bit blocks, a one-token forward no
-# longer waits on memory, so every verified token costs nearly its own arithmetic: cuts of 2, 3 and 4
-# nodes ran at 0.91-0.94x, 0.90x and 0.83-0.84x plain decoding on our own prompts
-# (resources/prompts/bench.jsonl, two cores, two interleaved rounds; README, "Choosing the tree's
-# nodes"): on two cores no cut beats plain decoding, and 2 loses least. A GPU verifies a few dozen
-# tokens at about the cost of one: no cut there.
-CPU_TREE_NODES = 2
+# On a CPU the head methods verify only the tree nodes worth their cost (keep_worthwhile): a step costs
+# CPU_STEP_ROWS verified rows' worth besides its nodes. With the target's decoder on 4-bit blocks and its
+# LM head on 8-bit blocks, a one-token forward no longer waits on memory and every verified node costs
+# nearly a row of arithmetic, while drafting and the root's row cost a few rows: 5 ran fastest of 3-8 for
+# eagle_lookup on our own prompts (resources/prompts/bench.jsonl, two cores; README, "Choosing the tree's
+# nodes"). A GPU verifies a few dozen tokens at about the cost of one: no cut there. An asked tree budget
+# is kept whole, so tau at a budget can be measured on any device.
+CPU_STEP_ROWS = 4.0
 
 
-def merged_tree_cut(device: torch.device, asked: int | None = None) -> int | None:
-    """How many nodes eagle_lookup's merged tree keeps (None: all): on a CPU CPU_TREE_NODES, or the
-    asked tree budget if larger; on a GPU no cut."""
-    if device.type != "cpu":
-        return None
-    return CPU_TREE_NODES if asked is None else max(asked, CPU_TREE_NODES)
+def step_rows(device: torch.device, asked_budget: int | None = None) -> float | None:
+    """The head methods' per-step cost in verified rows, for keep_worthwhile (None: no cut)."""
+    return CPU_STEP_ROWS if device.type == "cpu" and asked_budget is None else None
 
 
 def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
-                   store: Datastore | None, cut: int | None) -> dict[str, TreeDrafter]:
+                   store: Datastore | None, rows: float | None) -> dict[str, TreeDrafter]:
     """The methods a folder of trained heads adds: EAGLE (dynamic tree, chain, tree with the lookup
-    chains grafted in, prompt lookup's and the datastore's when there is one, cut to `cut` nodes) or
-    Medusa; trees of `budget` nodes."""
+    chains grafted in, prompt lookup's and the datastore's when there is one) or Medusa; trees of
+    `budget` nodes, the EAGLE trees cut to the nodes worth verifying at `rows` per step (keep_worthwhile)."""
     from engine.drafters.eagle import EagleDrafter, EagleHead
     from engine.drafters.medusa import MedusaDrafter, MedusaHeads, sparse_tree_paths
 
@@ -241,11 +237,11 @@ def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
             f"The EAGLE head in {folder} has width {head.config.hidden_size}, the target {text_config.hidden_size}: "
             "it was trained for another model."
         )
-    tree = EagleDrafter(head, target, top_k=eagle_top_k(budget), budget=budget)
+    tree = EagleDrafter(head, target, top_k=eagle_top_k(budget), budget=budget, step_rows=rows)
     return {
         "eagle": tree,
         "eagle_chain": EagleDrafter(head, target, shape=TreeShape.from_paths(CHAIN_PATHS), name="eagle_chain"),
-        "eagle_lookup": LookupGraftedDrafter(tree, "eagle_lookup", store, LOOKUP_CHAIN_TOKENS, STORE_CHAIN_TOKENS, cut),
+        "eagle_lookup": LookupGraftedDrafter(tree, "eagle_lookup", store, LOOKUP_CHAIN_TOKENS, STORE_CHAIN_TOKENS, rows),
     }
 
 

@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from engine.cache import CachedModel
-from engine.drafters.datastore import STORE_ACCEPTANCE, Datastore, DatastoreDrafter
+from engine.drafters.datastore import STORE_ACCEPTANCE, STORE_BESIDE_A_TREE, Datastore, DatastoreDrafter
 from engine.drafters.lookup import LOOKUP_ACCEPTANCE, PromptLookupDrafter, chain_acceptance, lookup_match
 from engine.sampling import SamplingParams, process_logits
 from engine.verify import tree_children, verify_tree, verify_tree_greedy
@@ -167,16 +167,18 @@ class DraftModelTreeDrafter:
     tokens (deterministic, verified as one-hot); at temperature > 0 they are r draws without
     replacement from the draft distribution. Dynamic (shape=None, EAGLE-2-style): at each depth the
     `top_k` frontier nodes of highest cumulative draft probability get their top_k tokens as
-    children, then the `budget` best nodes are kept (deterministic children, verified as one-hot).
+    children, then the `budget` best nodes are kept (deterministic children, verified as one-hot),
+    and with `step_rows` only those of them worth verifying (keep_worthwhile).
     """
 
     def __init__(self, model: CachedModel, shape: TreeShape | None = None, top_k: int = 3,
-                 budget: int = 16, name: str = "tree"):
+                 budget: int = 16, name: str = "tree", step_rows: float | None = None):
         self.lm = model
         self.shape = shape
         self.top_k = top_k
         self.budget = budget
         self.name = name
+        self.step_rows = step_rows
 
     def prefill(self, ids: list[int]) -> None:
         self.lm.prefill(ids)
@@ -237,6 +239,7 @@ class DraftModelTreeDrafter:
     def _dynamic(self, ids: list[int], depth: int, params: SamplingParams) -> DraftTree:
         tokens, parents, values = [ids[-1]], [-1], [1.0]
         frontier = [0]
+        floor = worth_floor(self.step_rows)
         for _ in range(depth):
             grown = []
             for node, top in zip(frontier, self._top_candidates(ids, tokens, parents, frontier, params)):
@@ -245,14 +248,16 @@ class DraftModelTreeDrafter:
                     tokens.append(token)
                     parents.append(node)
                     values.append(values[node] * prob)
-            frontier = sorted(grown, key=lambda i: (-values[i], i))[: self.top_k]
+            # a node's descendants are worth no more than it: below the floor they would all be cut
+            frontier = [n for n in sorted(grown, key=lambda i: (-values[i], i))[: self.top_k] if values[n] > floor]
             # A descendant's value is at most its frontier ancestor's and it ranks after every present
             # node of equal value, so once `budget` present nodes are worth at least the best frontier
             # node, deeper levels cannot enter the kept tree: stop drafting them.
             ranked = sorted(values[1:], reverse=True)
             if not frontier or (len(ranked) >= self.budget and ranked[self.budget - 1] >= values[frontier[0]]):
                 break
-        return keep_best(self._tree(tokens, parents, None, False, tuple(values)), self.budget)
+        tree = keep_best(self._tree(tokens, parents, None, False, tuple(values)), self.budget)
+        return tree if self.step_rows is None else keep_worthwhile(tree, self.step_rows)
 
     def _tree(self, tokens: list[int], parents: list[int], rows: list | None, without_replacement: bool,
               values: tuple[float, ...] = ()) -> DraftTree:
@@ -314,6 +319,35 @@ def keep_best(tree: DraftTree, budget: int) -> DraftTree:
                      tuple(values[i] for i in kept))
 
 
+def keep_worthwhile(tree: DraftTree, step_rows: float) -> DraftTree:
+    """The deterministic tree cut to the nodes worth verifying, when a step costs `step_rows` extra rows
+    of verification besides its tree nodes (drafting, the root's row, per-step overhead), each node one row.
+
+    With node values v as acceptance probabilities, a step emits E = 1 + (sum of kept v) tokens on
+    average at a cost of T = step_rows + (kept nodes). The most valuable nodes are kept while the next
+    one raises E / T, that is while v > E / T; as each kept node raises E / T, the cut is exact (for a
+    given count the most valuable nodes are best, and E / T rises then falls with the count). A node
+    is worth no more than its parent, so the kept nodes are closed under ancestors. A tree without
+    values is returned as it is."""
+    if not tree.values or len(tree) == 1:
+        return tree
+    values = list(tree.values)
+    for node in range(1, len(values)):
+        values[node] = min(values[node], values[tree.parents[node]])
+    expected, kept = 1.0, 0
+    for value in sorted(values[1:], reverse=True):
+        if value <= expected / (step_rows + kept):
+            break
+        expected, kept = expected + value, kept + 1
+    return keep_best(tree, kept)
+
+
+def worth_floor(step_rows: float | None) -> float:
+    """The value at or below which keep_worthwhile drops every node (E / T starts at 1 / step_rows and
+    only rises): a dynamic tree need not draft below such nodes. 0 without a cut."""
+    return 0.0 if step_rows is None else 1.0 / step_rows
+
+
 class LookupGraftedDrafter:
     """A tree drafter whose deterministic trees also carry the lookup continuations.
 
@@ -328,23 +362,24 @@ class LookupGraftedDrafter:
     than the head's tree costs a few extra nodes and pays where the answer copies its context for
     many tokens; a datastore chain is a guess from set phrases and is right for only a token or two.
 
-    With `max_nodes`, the merged tree keeps its `max_nodes` most valuable nodes (keep_best): the head's
-    nodes are worth their cumulative draft probability, a chain's their measured acceptance for the
-    length of the tail they matched (LOOKUP_ACCEPTANCE, STORE_ACCEPTANCE). Past about ten rows a CPU
-    verifies each extra node at nearly a full row's arithmetic, so a chain that copies from a strong
-    match keeps its depth while a weak one gives way (README, "Choosing the tree's nodes").
+    With `step_rows`, the merged tree keeps the nodes worth verifying (keep_worthwhile): the head's
+    nodes are worth their cumulative draft probability, a chain's its measured acceptance for the
+    length of the tail it matched (LOOKUP_ACCEPTANCE; STORE_ACCEPTANCE times STORE_BESIDE_A_TREE, as
+    the head already drafts what the datastore would have got right). Where each verified node costs
+    nearly a full row of arithmetic (a CPU), a chain that copies from a strong match keeps its depth
+    while a weak one gives way (README, "Choosing the tree's nodes").
     """
 
     def __init__(self, base: TreeDrafter, name: str, store: Datastore | None = None,
-                 lookup_tokens: int | None = None, store_tokens: int | None = None, max_nodes: int | None = None):
-        if max_nodes is not None and max_nodes < 1:
-            raise ValueError(f"max_nodes must be at least 1, got {max_nodes}")
+                 lookup_tokens: int | None = None, store_tokens: int | None = None, step_rows: float | None = None):
+        if step_rows is not None and step_rows <= 0:
+            raise ValueError(f"step_rows must be positive, got {step_rows}")
         self.base = base
         self.name = name
         self.store = store
         self.lookup_tokens = lookup_tokens
         self.store_tokens = store_tokens
-        self.max_nodes = max_nodes
+        self.step_rows = step_rows
 
     def prefill(self, ids: list[int]) -> None:
         self.base.prefill(ids)
@@ -366,11 +401,12 @@ class LookupGraftedDrafter:
         chains = {PromptLookupDrafter.name: (found, chain_acceptance(LOOKUP_ACCEPTANCE, matched, len(found)))}
         if self.store is not None:
             found, matched = self.store.continuation_match(ids, store_tokens)
-            chains[DatastoreDrafter.name] = (found, chain_acceptance(STORE_ACCEPTANCE, matched, len(found)))
+            values = [STORE_BESIDE_A_TREE * v for v in chain_acceptance(STORE_ACCEPTANCE, matched, len(found))]
+            chains[DatastoreDrafter.name] = (found, values)
         for proposer, (chain, values) in chains.items():
             if chain:
                 tree = graft_chain(tree, chain, proposer, values)
-        return tree if self.max_nodes is None else keep_best(tree, self.max_nodes)
+        return tree if self.step_rows is None else keep_worthwhile(tree, self.step_rows)
 
 
 def tree_step(target: CachedModel, drafter: TreeDrafter, ids: list[int], depth: int,

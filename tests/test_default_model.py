@@ -113,22 +113,23 @@ def test_every_method_greedy_equals_plain_decoding_with_one_row_stock_kernels(bl
 
 
 def test_head_methods_use_the_device_tree_budget(engine):
-    from engine.session import CPU_TREE_NODES, EngineError, eagle_top_k, merged_tree_cut, tree_budget
+    from engine.session import CPU_STEP_ROWS, EngineError, eagle_top_k, step_rows, tree_budget
 
     assert tree_budget(torch.device("cpu")) == 4 and tree_budget(torch.device("cuda")) == 32
     assert tree_budget(torch.device("cpu"), 16) == 16
     with pytest.raises(EngineError, match="1..64"):
         tree_budget(torch.device("cpu"), 0)
     assert [eagle_top_k(b) for b in (4, 8, 16, 32)] == [2, 4, 4, 8]
-    # eagle_lookup's merged tree: cut on a CPU (to an asked budget if larger), whole on a GPU
-    assert CPU_TREE_NODES == 2 and merged_tree_cut(torch.device("cpu")) == 2
-    assert merged_tree_cut(torch.device("cpu"), 1) == 2 and merged_tree_cut(torch.device("cpu"), 16) == 16
-    assert merged_tree_cut(torch.device("cuda")) is None and merged_tree_cut(torch.device("cuda"), 16) is None
+    # the EAGLE trees: cut to the nodes worth verifying on a CPU unless a budget is asked, whole on a GPU
+    assert CPU_STEP_ROWS == 4.0 and step_rows(torch.device("cpu")) == 4.0
+    assert step_rows(torch.device("cpu"), 16) is None
+    assert step_rows(torch.device("cuda")) is None and step_rows(torch.device("cuda"), 16) is None
     assert engine.target.device.type == "cpu"
     eagle = engine.drafter("eagle")
     assert (eagle.budget, eagle.top_k) == (4, 2)
     assert engine.drafter("eagle_lookup").base is eagle  # one EAGLE drafter, with or without lookup
-    assert engine.drafter("eagle_lookup").max_nodes == 2  # the merged tree cut to what loses least on a CPU
+    assert eagle.step_rows == engine.drafter("eagle_lookup").step_rows == CPU_STEP_ROWS  # both trees cut on a CPU
+    assert engine.drafter("eagle_chain").step_rows is None  # a static chain has no values to cut by
     assert len(engine.drafter("medusa").shape.parents) == 1 + 4  # a sparse tree of 4 nodes below the root
     # the shipped heads draft from the 8192 most frequent answer tokens: a sixth of the LM head per step
     hidden = torch.zeros(1, engine.target.model.config.hidden_size)

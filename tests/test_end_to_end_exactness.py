@@ -76,16 +76,16 @@ def test_adaptive_k_generation_is_exact(models):
     assert law_matches(counts, exact_marginals(models[0]))
 
 
-@pytest.mark.parametrize("with_store, max_nodes", [(False, None), (True, None), (True, 3)])
-def test_lookup_grafted_tree_generation_is_exact(models, with_store, max_nodes):
+@pytest.mark.parametrize("with_store, step_rows", [(False, None), (True, None), (True, 3.0)])
+def test_lookup_grafted_tree_generation_is_exact(models, with_store, step_rows):
     """Prompt lookup's chain (and a datastore's) grafted into a dynamic draft tree (what eagle_lookup
     does), verified at temperature > 0: the small vocabulary makes lookup find matches in most
-    steps, so grafted branches are verified often. max_nodes cuts the merged tree to its most
-    valuable nodes, as eagle_lookup does on a CPU."""
+    steps, so grafted branches are verified often. step_rows cuts the head's tree and the merged tree
+    to the nodes worth verifying, as eagle_lookup does on a CPU."""
     store = Datastore.build(torch.randint(VOCAB, (20, 12), generator=torch.Generator().manual_seed(5)).tolist())
-    base = DraftModelTreeDrafter(CachedModel(models[1]), None, top_k=2, budget=4)
+    base = DraftModelTreeDrafter(CachedModel(models[1]), None, top_k=2, budget=4, step_rows=step_rows)
     # with the store, chains of their own lengths (as shipped): lookup past the draft depth, the store's shorter
-    drafter = (LookupGraftedDrafter(base, "tree_lookup", store, lookup_tokens=6, store_tokens=2, max_nodes=max_nodes)
+    drafter = (LookupGraftedDrafter(base, "tree_lookup", store, lookup_tokens=6, store_tokens=2, step_rows=step_rows)
                if with_store else LookupGraftedDrafter(base, "tree_lookup"))
     config = GenerationConfig(method="tree_lookup", k=3, max_new_tokens=N_TOKENS, sampling=PARAMS)
     counts = sampled_counts(models, config, trials=3000, drafter=drafter)

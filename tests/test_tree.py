@@ -6,7 +6,7 @@ import torch
 import engine.verify
 from engine.cache import TREE_SLOT, CachedModel
 from engine.decode import GenerationConfig, generate
-from engine.drafters.datastore import Datastore
+from engine.drafters.datastore import STORE_ACCEPTANCE, STORE_BESIDE_A_TREE, Datastore
 from engine.drafters.lookup import chain_acceptance, lookup_match
 from engine.events import StepEvent, Summary, TokenEvent
 from engine.sampling import SamplingParams
@@ -21,7 +21,9 @@ from engine.tree import (
     select_by_value,
     graft_chain,
     keep_best,
+    keep_worthwhile,
     tree_attention,
+    worth_floor,
 )
 from engine.verify import verify_tree, verify_tree_greedy
 from tests.tiny import assert_cache_matches_fresh_prefill, hf_greedy, tiny_llama, tiny_tokenizer
@@ -155,21 +157,76 @@ def test_keep_best_keeps_the_most_valuable_nodes_closed_under_ancestors():
     assert keep_best(tree, 5) is tree and keep_best(unranked, 2) is unranked
 
 
-def test_lookup_grafted_drafter_cuts_the_merged_tree_to_its_best_nodes():
-    class Head:  # a deterministic dynamic tree of four unlikely nodes below the root
-        name = "head"
+def _ancestor_closed_subsets(parents):
+    """Every set of non-root nodes closed under ancestors (small trees only)."""
+    nodes = range(1, len(parents))
+    for mask in range(2 ** (len(parents) - 1)):
+        kept = {n for i, n in enumerate(nodes) if mask >> i & 1}
+        if all(parents[n] == 0 or parents[n] in kept for n in kept):
+            yield kept
 
-        def propose_tree(self, ids, depth, params, generator):
-            return DraftTree(torch.tensor([ids[-1], 30, 31, 32, 33]), (-1, 0, 0, 1, 2), None,
-                             values=(1.0, 0.2, 0.1, 0.05, 0.01))
 
+def test_keep_worthwhile_keeps_the_nodes_that_maximise_tokens_per_cost():
+    """Against brute force: E / T = (1 + sum of kept values) / (step_rows + kept nodes) is the best any
+    ancestor-closed subset reaches, with each node worth no more than its parent."""
+    generator = torch.Generator().manual_seed(0)
+    cut_some = 0
+    for trial in range(300):
+        n = int(torch.randint(2, 9, (1,), generator=generator))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) for i in range(1, n)]
+        raw = [1.0] + torch.rand(n - 1, generator=generator).tolist()
+        tree = DraftTree(torch.arange(n), tuple(parents), None, values=tuple(raw))
+        capped = list(raw)
+        for node in range(1, n):
+            capped[node] = min(capped[node], capped[parents[node]])
+        for step_rows in (0.5, 1.5, 3.0, 8.0):
+            best = max((1 + sum(capped[i] for i in kept)) / (step_rows + len(kept))
+                       for kept in _ancestor_closed_subsets(parents))
+            cut = keep_worthwhile(tree, step_rows)
+            kept = cut.tokens[1:].tolist()  # token i is node i
+            got = (1 + sum(capped[i] for i in kept)) / (step_rows + len(kept))
+            assert got == pytest.approx(best, rel=1e-12), (parents, raw, step_rows)
+            assert all(capped[i] > worth_floor(step_rows) for i in kept)  # nothing at or below the floor
+            assert cut.parents[0] == -1 and all(p < i for i, p in enumerate(cut.parents) if i)
+            cut_some += 1 < len(cut) < n
+    assert cut_some > 100  # most cuts are partial, so the optimum is tested between the extremes
+    unranked = DraftTree(torch.arange(3), (-1, 0, 1), None)
+    assert keep_worthwhile(unranked, 1.0) is unranked and worth_floor(None) == 0.0
+
+
+class _UnlikelyHead:  # a deterministic dynamic tree of four unlikely nodes below the root
+    name = "head"
+
+    def propose_tree(self, ids, depth, params, generator):
+        return DraftTree(torch.tensor([ids[-1], 30, 31, 32, 33]), (-1, 0, 0, 1, 2), None,
+                         values=(1.0, 0.2, 0.1, 0.05, 0.01))
+
+
+def test_lookup_grafted_drafter_keeps_the_merged_nodes_worth_verifying():
     ids = [1, 2, 3, 4, 5, 6, 1, 2, 3]  # the tail 1 2 3 matched 3 tokens: a strong lookup chain 4 5 6 1 2 3
-    full = LookupGraftedDrafter(Head(), "grafted", lookup_tokens=6).propose_tree(ids, 4, SamplingParams(), None)
+    full = LookupGraftedDrafter(_UnlikelyHead(), "grafted", lookup_tokens=6).propose_tree(ids, 4, SamplingParams(), None)
     assert len(full) == 11
-    cut = LookupGraftedDrafter(Head(), "grafted", lookup_tokens=6, max_nodes=7).propose_tree(ids, 4, SamplingParams(), None)
-    assert cut.tokens.tolist() == [3, 30, 4, 5, 6, 1, 2, 3]  # the whole chain, then the head's best node
-    assert cut.proposers == ("", "head", *["lookup"] * 6)
-    assert cut.parents == (-1, 0, 0, 2, 3, 4, 5, 6)
+    def cut(step_rows):
+        drafter = LookupGraftedDrafter(_UnlikelyHead(), "grafted", lookup_tokens=6, step_rows=step_rows)
+        return drafter.propose_tree(ids, 4, SamplingParams(), None)
+    # chain values 0.86 0.75 0.68 0.55 0.50 0.48 (LOOKUP_ACCEPTANCE[3]); at 4 rows a step the sixth
+    # (0.48) no longer pays: E / T after five nodes is 4.34 / 9 = 0.482
+    assert cut(4.0).tokens.tolist() == [3, 4, 5, 6, 1, 2] and cut(4.0).proposers == ("", *["lookup"] * 5)
+    assert cut(12.0).tokens.tolist() == [3, 4, 5, 6, 1, 2, 3]  # the whole chain; the head's 0.2 < 4.82 / 18
+    widest = cut(20.0)  # the head's best node (0.2 > 4.82 / 26), not its second (0.1 < 5.02 / 27)
+    assert widest.tokens.tolist() == [3, 30, 4, 5, 6, 1, 2, 3] and widest.parents == (-1, 0, 0, 2, 3, 4, 5, 6)
+    assert widest.proposers == ("", "head", *["lookup"] * 6)
+    with pytest.raises(ValueError):
+        LookupGraftedDrafter(_UnlikelyHead(), "grafted", step_rows=0)
+
+
+def test_a_datastore_chain_beside_a_tree_is_worth_a_share_of_its_table():
+    store = Datastore.build([[7, 8, 9, 10, 11]])
+    ids = [40, 41, 7, 8, 9]  # the store's tail 7 8 9 (3 tokens) continues 10 11
+    tree = LookupGraftedDrafter(_UnlikelyHead(), "grafted", store, store_tokens=2).propose_tree(ids, 4, SamplingParams(), None)
+    stored = [i for i, proposer in enumerate(tree.proposers) if proposer == "rest"]
+    assert tree.tokens[stored].tolist() == [10, 11]
+    assert [tree.values[i] for i in stored] == pytest.approx([STORE_BESIDE_A_TREE * v for v in STORE_ACCEPTANCE[3][:2]])
 
 
 def test_lookup_match_reports_the_matched_tail_length():
@@ -251,6 +308,22 @@ def test_dynamic_tree_stops_drafting_only_when_deeper_levels_cannot_be_kept():
             want_tokens, want_parents = _fully_grown_tree(_HashedDrafter(top_k, budget, seed), [1, 2, 3], 6)
             assert tree.tokens.tolist() == want_tokens and list(tree.parents) == want_parents
     assert stopped_early > 20  # the shortcut is taken, so the equality above tests it
+
+
+def test_dynamic_tree_with_a_cost_cut_skips_only_levels_the_cut_would_drop():
+    """With step_rows, drafting stops below nodes at or under worth_floor, and the tree is exactly the
+    uncut drafter's tree cut by keep_worthwhile."""
+    shortened = 0
+    for seed in range(60):
+        for top_k, budget, step_rows in ((2, 4, 2.0), (3, 6, 4.0), (4, 8, 8.0)):
+            drafter = _HashedDrafter(top_k, budget, seed)
+            drafter.step_rows = step_rows
+            tree = drafter.propose_tree([1, 2, 3], 6, SamplingParams(), None)
+            uncut = _HashedDrafter(top_k, budget, seed)
+            want = keep_worthwhile(uncut.propose_tree([1, 2, 3], 6, SamplingParams(), None), step_rows)
+            assert tree.tokens.tolist() == want.tokens.tolist() and tree.parents == want.parents
+            shortened += drafter.rounds < uncut.rounds
+    assert shortened > 20  # the floor saves drafting rounds, so the equality above tests it
 
 
 # --- one target forward over a tree -------------------------------------------------------------

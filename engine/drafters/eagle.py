@@ -159,8 +159,8 @@ class EagleDrafter(DraftModelTreeDrafter):
     """
 
     def __init__(self, head: EagleHead, target: CachedModel, shape: TreeShape | None = None,
-                 top_k: int = 4, budget: int = 16, name: str = "eagle"):
-        super().__init__(target, shape, top_k=top_k, budget=budget, name=name)
+                 top_k: int = 4, budget: int = 16, name: str = "eagle", step_rows: float | None = None):
+        super().__init__(target, shape, top_k=top_k, budget=budget, name=name, step_rows=step_rows)
         self.head = drafter_module(head, target.model)
         self.target = target
         self.features: torch.Tensor | None = None  # [n, H] target features of positions 0..n-1

@@ -195,7 +195,7 @@ def _load_datastore(folder: Path) -> Datastore:
 # as copied spans run long and set phrases short.
 LOOKUP_CHAIN_TOKENS = 8
 STORE_CHAIN_TOKENS = 2
-# On a CPU the head methods verify only the tree nodes worth their cost (keep_worthwhile): a step costs
+# On a CPU the head methods' trees keep only the nodes worth their cost (keep_worthwhile): a step costs
 # CPU_STEP_ROWS verified rows' worth besides its nodes. With the target's decoder on 4-bit blocks and its
 # LM head on 8-bit blocks, a one-token forward no longer waits on memory and every verified node costs
 # nearly a row of arithmetic, while drafting and the root's row cost a few rows: 5 ran fastest of 3-8 for
@@ -214,7 +214,7 @@ def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
                    store: Datastore | None, rows: float | None) -> dict[str, TreeDrafter]:
     """The methods a folder of trained heads adds: EAGLE (dynamic tree, chain, tree with the lookup
     chains grafted in, prompt lookup's and the datastore's when there is one) or Medusa; trees of
-    `budget` nodes, the EAGLE trees cut to the nodes worth verifying at `rows` per step (keep_worthwhile)."""
+    `budget` nodes, cut to the nodes worth verifying at `rows` per step (keep_worthwhile; not the chain)."""
     from engine.drafters.eagle import EagleDrafter, EagleHead
     from engine.drafters.medusa import MedusaDrafter, MedusaHeads, sparse_tree_paths
 
@@ -228,7 +228,7 @@ def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
                 paths = sparse_tree_paths(accuracy, budget)
             else:
                 paths = heads.config.get("medusa_choices") or DEFAULT_TREE_PATHS
-            return {"medusa": MedusaDrafter(heads, target, TreeShape.from_paths(paths))}
+            return {"medusa": MedusaDrafter(heads, target, TreeShape.from_paths(paths), step_rows=rows)}
         head = EagleHead.load(folder)
     except UNREADABLE_WEIGHTS as exc:
         raise EngineError(f"Could not load the heads in {folder}: {exc}") from exc

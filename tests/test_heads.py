@@ -7,7 +7,7 @@ from engine.drafters.eagle import EagleDrafter, EagleHead
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads
 from engine.events import Summary, TokenEvent
 from engine.sampling import SamplingParams
-from engine.tree import TreeShape
+from engine.tree import TreeShape, keep_worthwhile, node_depths
 from tests.tiny import hf_greedy, tiny_llama, tiny_tokenizer
 
 PROMPT = "one two three four five six one two three four"
@@ -47,6 +47,43 @@ def test_medusa_greedy_equality(target_model, k):
     _, summary = _run(target, drafter, GenerationConfig(method="medusa", k=k, max_new_tokens=n))
     assert list(summary.token_ids) == reference
     assert summary.drafted > 0
+
+
+def test_medusa_tree_values_are_head_probabilities_and_the_cut_stays_exact(target_model):
+    """A node is worth the product of its heads' probabilities along its path; with step_rows the tree is
+    keep_worthwhile of the whole shape, and greedy decoding still equals plain decoding."""
+    n, shape = 40, TreeShape.from_paths(PATHS)
+    target = CachedModel(target_model)
+    heads = _random_medusa(target_model)
+    whole = MedusaDrafter(heads, target, shape)
+    _run(target, whole, GenerationConfig(method="medusa", k=4, max_new_tokens=8))  # leaves a hidden state to read
+    ids = list(target.cached_ids) + [0]
+    tree = whole.propose_tree(ids, 4, SamplingParams(), None)
+    hidden = target.hidden_at(len(ids) - 2, len(ids) - 1)[0]
+    with torch.inference_mode():
+        probs = heads(hidden, None).float().softmax(-1)  # [heads, V]
+    depths = node_depths(shape.parents)
+    for node in range(1, len(shape.parents)):
+        parent = shape.parents[node]
+        assert tree.values[node] == pytest.approx(tree.values[parent] * float(probs[depths[node] - 1, tree.tokens[node]]))
+    cut_drafter = MedusaDrafter(heads, target, shape, step_rows=4.0)
+    cut = cut_drafter.propose_tree(ids, 4, SamplingParams(), None)
+    want = keep_worthwhile(tree, 4.0)
+    assert cut.tokens.tolist() == want.tokens.tolist() and cut.parents == want.parents
+    reference = hf_greedy(target_model, _prompt_ids(), n)
+    target = CachedModel(target_model)
+    sizes = []
+
+    class Counting(MedusaDrafter):
+        def propose_tree(self, *args):
+            tree = super().propose_tree(*args)
+            sizes.append(len(tree) - 1)
+            return tree
+
+    _, summary = _run(target, Counting(heads, target, shape, step_rows=20.0),
+                      GenerationConfig(method="medusa", k=4, max_new_tokens=n))
+    assert list(summary.token_ids) == reference
+    assert any(0 < size < len(PATHS) for size in sizes)  # trees cut, but not to nothing
 
 
 def test_medusa_sampling_runs_and_keeps_cache(target_model):

@@ -28,7 +28,7 @@ from engine.cache import CachedModel
 from engine.cpu_kernels import drafter_module, drafting_dtype
 from engine.drafters import StatelessDrafter, draft_vocab_rows, full_vocab_logits
 from engine.sampling import SamplingParams, process_logits
-from engine.tree import DraftTree, TreeShape, node_depths
+from engine.tree import DraftTree, TreeShape, keep_worthwhile, node_depths
 
 
 class ResBlock(nn.Module):
@@ -131,10 +131,13 @@ class MedusaDrafter(StatelessDrafter):
     """Proposes a static tree from Medusa heads applied to the target's hidden state.
 
     Reads the target's final hidden state at the last cached position (the target CachedModel is
-    switched to keep_hidden); with none available it proposes the root alone (a plain step).
+    switched to keep_hidden); with none available it proposes the root alone (a plain step). A node is
+    worth the product of its heads' probabilities along its path; with `step_rows` the tree keeps only
+    the nodes worth verifying (keep_worthwhile).
     """
 
-    def __init__(self, heads: MedusaHeads, target: CachedModel, shape: TreeShape, name: str = "medusa"):
+    def __init__(self, heads: MedusaHeads, target: CachedModel, shape: TreeShape, name: str = "medusa",
+                 step_rows: float | None = None):
         self.dtype = drafting_dtype(target.model)
         self.heads = drafter_module(heads, target.model)
         self.lm_head = None  # the heads' own projections, or (shared) the target's LM head in drafting precision
@@ -144,6 +147,7 @@ class MedusaDrafter(StatelessDrafter):
         self.target = target
         self.shape = shape
         self.name = name
+        self.step_rows = step_rows
         target.keep_hidden = True
 
     @torch.inference_mode()
@@ -158,8 +162,13 @@ class MedusaDrafter(StatelessDrafter):
         logits = full_vocab_logits(rows, self._vocab, self.target.n_vocab)  # [heads, V]
         history = torch.tensor(ids, device=logits.device)
         scores = process_logits(logits, params, history, history[:0])  # [heads, V]; ranks only
-        n_ranks = 1 + max(shape.ranks)
-        candidates = scores.topk(n_ranks, dim=-1).indices.tolist()  # [heads][ranks]
+        top = scores.softmax(-1).topk(1 + max(shape.ranks), dim=-1)  # [heads, ranks]
+        candidates, probs = top.indices.tolist(), top.values.tolist()
         depths = node_depths(shape.parents)
-        tokens = [ids[-1]] + [candidates[depths[n] - 1][shape.ranks[n]] for n in range(1, len(shape.parents))]
-        return DraftTree(torch.tensor(tokens, device=self.target.device), shape.parents, None)
+        tokens, values = [ids[-1]], [1.0]
+        for node in range(1, len(shape.parents)):
+            head, rank = depths[node] - 1, shape.ranks[node]
+            tokens.append(candidates[head][rank])
+            values.append(values[shape.parents[node]] * probs[head][rank])
+        tree = DraftTree(torch.tensor(tokens, device=self.target.device), shape.parents, None, values=tuple(values))
+        return tree if self.step_rows is None else keep_worthwhile(tree, self.step_rows)

@@ -84,7 +84,7 @@ class AppSettings:
     device: str = "auto"
     dtype: str = "auto"
     adaptive_k: bool = True  # K above is then the upper bound of the +2/-1 schedule
-    tree_budget: int = 0  # draft-tree nodes of the EAGLE / Medusa methods; 0 = by device (4 CPU, 32 GPU)
+    tree_budget: int = 0  # draft-tree nodes of the EAGLE / Medusa methods; 0 = by device (CPU: up to 4, cut; GPU: 32)
 
     def __post_init__(self) -> None:
         # any well-formed name: only the loaded engine knows which methods it offers
@@ -291,9 +291,11 @@ class SettingsDialog(QDialog):
         self.dtype = QComboBox()
         self.dtype.addItems(DTYPES)
         self.tree_budget = QSpinBox(minimum=0, maximum=MAX_TREE_BUDGET)
-        self.tree_budget.setSpecialValueText("auto (4 on CPU, 32 on GPU)")
+        self.tree_budget.setSpecialValueText("auto (CPU: up to 4, as many as pay; GPU: 32)")
         self.tree_budget.setToolTip("Tokens the EAGLE and Medusa trees draft per step. Bigger trees are "
-                                    "accepted further but cost more to verify, which a CPU feels and a GPU hardly does.")
+                                    "accepted further but cost more to verify, which a CPU feels and a GPU hardly "
+                                    "does. Auto on a CPU verifies, at each step, only the nodes likely enough to "
+                                    "be accepted to pay for themselves; a number here is verified whole.")
 
         models = QGroupBox("Models")
         model_form = QFormLayout(models)

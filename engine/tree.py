@@ -18,6 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from engine.cache import CachedModel
+from engine.drafters import worthwhile_count
 from engine.drafters.datastore import STORE_ACCEPTANCE, STORE_BESIDE_A_TREE, Datastore, DatastoreDrafter
 from engine.drafters.lookup import LOOKUP_ACCEPTANCE, PromptLookupDrafter, chain_acceptance, lookup_match
 from engine.sampling import SamplingParams, process_logits
@@ -321,30 +322,21 @@ def keep_best(tree: DraftTree, budget: int) -> DraftTree:
 
 def keep_worthwhile(tree: DraftTree, step_rows: float) -> DraftTree:
     """The deterministic tree cut to the nodes worth verifying, when a step costs `step_rows` extra rows
-    of verification besides its tree nodes (drafting, the root's row, per-step overhead), each node one row.
-
-    With node values v as acceptance probabilities, a step emits E = 1 + (sum of kept v) tokens on
-    average at a cost of T = step_rows + (kept nodes). The most valuable nodes are kept while the next
-    one raises E / T, that is while v > E / T; as each kept node raises E / T, the cut is exact (for a
-    given count the most valuable nodes are best, and E / T rises then falls with the count). A node
-    is worth no more than its parent, so the kept nodes are closed under ancestors. A tree without
+    of verification besides its tree nodes (drafting, the root's row, per-step overhead), each node one row:
+    its most valuable nodes, as many as worthwhile_count keeps (node values as acceptance probabilities).
+    A node is worth no more than its parent, so the kept nodes are closed under ancestors. A tree without
     values is returned as it is."""
     if not tree.values or len(tree) == 1:
         return tree
     values = list(tree.values)
     for node in range(1, len(values)):
         values[node] = min(values[node], values[tree.parents[node]])
-    expected, kept = 1.0, 0
-    for value in sorted(values[1:], reverse=True):
-        if value <= expected / (step_rows + kept):
-            break
-        expected, kept = expected + value, kept + 1
-    return keep_best(tree, kept)
+    return keep_best(tree, worthwhile_count(sorted(values[1:], reverse=True), step_rows))
 
 
 def worth_floor(step_rows: float | None) -> float:
-    """The value at or below which keep_worthwhile drops every node (E / T starts at 1 / step_rows and
-    only rises): a dynamic tree need not draft below such nodes. 0 without a cut."""
+    """The value at or below which keep_worthwhile drops every node (worthwhile_count's E / cost starts
+    at 1 / step_rows and only rises): a dynamic tree need not draft below such nodes. 0 without a cut."""
     return 0.0 if step_rows is None else 1.0 / step_rows
 
 

@@ -187,6 +187,38 @@ def test_lookup_finds_latest_longest_match():
     assert lookup([4, 4], 3) == [4]
 
 
+def test_lookup_with_a_cost_cut_drafts_only_the_tokens_worth_verifying():
+    from itertools import accumulate
+
+    from engine.drafters import worthwhile_count
+    from engine.drafters.lookup import LOOKUP_ACCEPTANCE, PromptLookupDrafter
+
+    # against brute force over every prefix of a non-increasing chain of values
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        values = sorted(torch.rand(int(torch.randint(0, 8, (1,), generator=generator)), generator=generator).tolist(),
+                        reverse=True)
+        for step_rows in (0.7, 2.5, 6.0):
+            ratios = [(1 + total) / (step_rows + n) for n, total in enumerate([0.0, *accumulate(values)])]
+            assert ratios[worthwhile_count(values, step_rows)] == pytest.approx(max(ratios), rel=1e-12)
+    params = SamplingParams()
+    strong = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]  # the tail 1 2 3 matches 3 tokens
+    weak = [5, 9, 8, 7, 6, 4, 5]  # the tail 5 matches 1 token
+    uncut = PromptLookupDrafter()
+    assert uncut.propose(strong, 6, params, None).tokens.tolist() == [4, 5, 6, 7, 8, 9]
+    assert uncut.propose(weak, 3, params, None).tokens.tolist() == [9, 8, 7]
+    cut = PromptLookupDrafter(step_rows=2.5)
+    # a 3-token match's chain is worth 0.86 0.75 0.68 0.55 0.50 0.48: at 2.5 rows a step the fourth does
+    # not pay (0.55 < 3.29 / 5.5), at 8 rows all six do (the last: 0.48 > 4.34 / 13)
+    assert cut.propose(strong, 6, params, None).tokens.tolist() == [4, 5, 6]
+    assert PromptLookupDrafter(step_rows=8.0).propose(strong, 6, params, None).tokens.tolist() == [4, 5, 6, 7, 8, 9]
+    assert LOOKUP_ACCEPTANCE[1][0] <= 1 / 2.5  # so a 1-token match's first token (0.25) never pays
+    assert cut.propose(weak, 3, params, None).tokens.tolist() == []
+    assert PromptLookupDrafter(step_rows=1.0).propose(strong, 6, params, None).tokens.tolist() == []  # 0.86 < 1 / 1
+    with pytest.raises(ValueError):
+        PromptLookupDrafter(step_rows=0.0)
+
+
 def test_incremental_detokenizer_matches_full_decode():
     tok = tiny_tokenizer()
     text = "Café, naïve, 東京 🙂 and spaces   here"

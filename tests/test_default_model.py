@@ -113,7 +113,7 @@ def test_every_method_greedy_equals_plain_decoding_with_one_row_stock_kernels(bl
 
 
 def test_head_methods_use_the_device_tree_budget(engine):
-    from engine.session import CPU_STEP_ROWS, EngineError, eagle_top_k, step_rows, tree_budget
+    from engine.session import CPU_STEP_ROWS, LOOKUP_CPU_STEP_ROWS, EngineError, eagle_top_k, step_rows, tree_budget
 
     assert tree_budget(torch.device("cpu")) == 4 and tree_budget(torch.device("cuda")) == 32
     assert tree_budget(torch.device("cpu"), 16) == 16
@@ -130,6 +130,7 @@ def test_head_methods_use_the_device_tree_budget(engine):
     assert engine.drafter("eagle_lookup").base is eagle  # one EAGLE drafter, with or without lookup
     assert eagle.step_rows == engine.drafter("eagle_lookup").step_rows == CPU_STEP_ROWS  # the trees cut on a CPU
     assert engine.drafter("medusa").step_rows == CPU_STEP_ROWS
+    assert engine.drafter("lookup").step_rows == LOOKUP_CPU_STEP_ROWS == 2.5  # its chain cut too
     assert engine.drafter("eagle_chain").step_rows is None  # a static chain has no values to cut by
     assert len(engine.drafter("medusa").shape.parents) == 1 + 4  # a sparse tree of 4 nodes below the root
     # the shipped heads draft from the 8192 most frequent answer tokens: a sixth of the LM head per step

@@ -8,6 +8,7 @@ The decoding loop never special-cases a drafter kind.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -52,6 +53,20 @@ class StatelessDrafter:
 
     def commit(self, ids: list[int]) -> None:
         pass
+
+
+def worthwhile_count(values: Sequence[float], step_rows: float) -> int:
+    """How many of the drafted tokens, valued in descending order (how likely each is to be accepted),
+    are worth verifying when a step costs `step_rows` rows besides them: a step emits E = 1 + (the sum of
+    the kept values) tokens at a cost of step_rows + (kept) rows, and the next token is kept while it
+    raises E / cost, that is while its value exceeds the current E / cost. For a given count the most
+    valuable tokens are best and E / cost rises and then falls with the count, so the count is the best."""
+    expected, kept = 1.0, 0
+    for value in values:
+        if value <= expected / (step_rows + kept):
+            break
+        expected, kept = expected + value, kept + 1
+    return kept
 
 
 def draft_vocab_rows(target, vocab: torch.Tensor | None) -> tuple[torch.Tensor | None, nn.Module]:

@@ -199,10 +199,11 @@ STORE_CHAIN_TOKENS = 2
 # On a CPU the head methods' trees keep only the nodes worth their cost (keep_worthwhile): a step costs
 # CPU_STEP_ROWS verified rows' worth besides its nodes. With the target's decoder on 4-bit blocks and its
 # LM head on 8-bit blocks, a one-token forward no longer waits on memory and every verified node costs
-# nearly a row of arithmetic, while drafting and the root's row cost a few rows: 5 ran fastest of 3-8 for
-# eagle_lookup on our own prompts (resources/prompts/bench.jsonl, two cores; README, "Choosing the tree's
-# nodes"). A GPU verifies a few dozen tokens at about the cost of one: no cut there. An asked tree budget
-# is kept whole, so tau at a budget can be measured on any device.
+# nearly a row of arithmetic, while drafting and the root's row cost a few rows. In a sweep of 2-8 on our
+# own prompts (resources/prompts/bench.jsonl, two cores, two interleaved rounds; README, "Choosing the
+# tree's nodes") 3-4 ran fastest for eagle_lookup (4: 1.03-1.04x plain decoding, against 0.89x for the
+# fixed cut to 2 nodes before it) and 4-5 for eagle. A GPU verifies a few dozen tokens at about the cost of
+# one: no cut there. An asked tree budget is kept whole, so tau at a budget can be measured on any device.
 CPU_STEP_ROWS = 4.0
 # Prompt lookup drafts for free, so its step costs fewer rows besides its chain: on a CPU its chain is cut
 # (K becomes a maximum) at 2.5, which ran at 1.10-1.12x plain decoding against 1.03-1.04x for K = 2 and

@@ -7,8 +7,8 @@ The decoding loop never special-cases a drafter kind.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch

@@ -82,7 +82,7 @@ class Engine:
         n_vocab = self.compatibility.n_vocab if self.compatibility else min(len(target.tokenizer), rows)
         self.target_lm = CachedModel(target.model, n_vocab)
         self._drafters: dict[str, Drafter | TreeDrafter] = {
-            "lookup": PromptLookupDrafter(step_rows=LOOKUP_CPU_STEP_ROWS if target.device.type == "cpu" else None)}
+            "lookup": PromptLookupDrafter(step_rows=step_rows(target.device, cpu_rows=LOOKUP_CPU_STEP_ROWS))}
         if draft is not None:
             self._drafters["draft"] = DraftModelDrafter(CachedModel(draft.model, n_vocab))
             self._drafters["tree"] = DraftModelTreeDrafter(
@@ -211,9 +211,10 @@ CPU_STEP_ROWS = 4.0
 LOOKUP_CPU_STEP_ROWS = 2.5
 
 
-def step_rows(device: torch.device, asked_budget: int | None = None) -> float | None:
-    """The head methods' per-step cost in verified rows, for keep_worthwhile (None: no cut)."""
-    return CPU_STEP_ROWS if device.type == "cpu" and asked_budget is None else None
+def step_rows(device: torch.device, asked_budget: int | None = None, cpu_rows: float = CPU_STEP_ROWS) -> float | None:
+    """A method's per-step cost in verified rows, for worthwhile_count (None: no cut): `cpu_rows` on a CPU
+    (the head methods' by default) unless a tree budget was asked."""
+    return cpu_rows if device.type == "cpu" and asked_budget is None else None
 
 
 def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,

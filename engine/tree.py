@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from engine.cache import CachedModel
-from engine.drafters import worthwhile_count
+from engine.drafters import worth_floor, worthwhile_count
 from engine.drafters.datastore import STORE_ACCEPTANCE, STORE_BESIDE_A_TREE, Datastore, DatastoreDrafter
 from engine.drafters.lookup import LOOKUP_ACCEPTANCE, PromptLookupDrafter, chain_acceptance, lookup_match
 from engine.sampling import SamplingParams, process_logits
@@ -310,14 +310,7 @@ def keep_best(tree: DraftTree, budget: int) -> DraftTree:
     without values, or within the budget, is returned as it is."""
     if not tree.values or len(tree) <= budget + 1:
         return tree
-    values = list(tree.values)
-    for node in range(1, len(values)):
-        values[node] = min(values[node], values[tree.parents[node]])
-    kept = select_by_value(tree.parents, values, budget)
-    new_index = {old: new for new, old in enumerate(kept)}
-    return DraftTree(tree.tokens[kept], tuple(new_index[tree.parents[i]] if i else -1 for i in kept), None,
-                     tree.without_replacement, tuple(tree.proposers[i] for i in kept) if tree.proposers else (),
-                     tuple(values[i] for i in kept))
+    return _cut(tree, _capped_values(tree), budget)
 
 
 def keep_worthwhile(tree: DraftTree, step_rows: float) -> DraftTree:
@@ -325,19 +318,29 @@ def keep_worthwhile(tree: DraftTree, step_rows: float) -> DraftTree:
     of verification besides its tree nodes (drafting, the root's row, per-step overhead), each node one row:
     its most valuable nodes, as many as worthwhile_count keeps (node values as acceptance probabilities).
     A node is worth no more than its parent, so the kept nodes are closed under ancestors. A tree without
-    values is returned as it is."""
+    values, or whose every node is worth verifying, is returned as it is."""
     if not tree.values or len(tree) == 1:
         return tree
+    values = _capped_values(tree)
+    kept = worthwhile_count(sorted(values[1:], reverse=True), step_rows)
+    return tree if kept == len(tree) - 1 else _cut(tree, values, kept)
+
+
+def _capped_values(tree: DraftTree) -> list[float]:
+    """The tree's node values, each at most its parent's (a node is accepted only after its parent)."""
     values = list(tree.values)
     for node in range(1, len(values)):
         values[node] = min(values[node], values[tree.parents[node]])
-    return keep_best(tree, worthwhile_count(sorted(values[1:], reverse=True), step_rows))
+    return values
 
 
-def worth_floor(step_rows: float | None) -> float:
-    """The value at or below which keep_worthwhile drops every node (worthwhile_count's E / cost starts
-    at 1 / step_rows and only rises): a dynamic tree need not draft below such nodes. 0 without a cut."""
-    return 0.0 if step_rows is None else 1.0 / step_rows
+def _cut(tree: DraftTree, values: list[float], budget: int) -> DraftTree:
+    """The tree's `budget` most valuable non-root nodes by the capped `values` (select_by_value)."""
+    kept = select_by_value(tree.parents, values, budget)
+    new_index = {old: new for new, old in enumerate(kept)}
+    return DraftTree(tree.tokens[kept], tuple(new_index[tree.parents[i]] if i else -1 for i in kept), None,
+                     tree.without_replacement, tuple(tree.proposers[i] for i in kept) if tree.proposers else (),
+                     tuple(values[i] for i in kept))
 
 
 class LookupGraftedDrafter:

@@ -6,6 +6,7 @@ import torch
 import engine.verify
 from engine.cache import TREE_SLOT, CachedModel
 from engine.decode import GenerationConfig, generate
+from engine.drafters import worth_floor
 from engine.drafters.datastore import STORE_ACCEPTANCE, STORE_BESIDE_A_TREE, Datastore
 from engine.drafters.lookup import chain_acceptance, lookup_match
 from engine.events import StepEvent, Summary, TokenEvent
@@ -23,7 +24,6 @@ from engine.tree import (
     keep_best,
     keep_worthwhile,
     tree_attention,
-    worth_floor,
 )
 from engine.verify import verify_tree, verify_tree_greedy
 from tests.tiny import assert_cache_matches_fresh_prefill, hf_greedy, tiny_llama, tiny_tokenizer

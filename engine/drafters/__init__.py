@@ -69,6 +69,12 @@ def worthwhile_count(values: Sequence[float], step_rows: float) -> int:
     return kept
 
 
+def worth_floor(step_rows: float | None) -> float:
+    """The value at or below which worthwhile_count keeps nothing (its E / cost starts at 1 / step_rows and
+    only rises): a dynamic tree need not draft below such nodes. 0 without a cut."""
+    return 0.0 if step_rows is None else 1.0 / step_rows
+
+
 def draft_vocab_rows(target, vocab: torch.Tensor | None) -> tuple[torch.Tensor | None, nn.Module]:
     """The target's LM head in drafting precision, cut to a head's draft vocabulary: (the token ids [N]
     its outputs score, None when it scores the whole vocabulary; the linear H -> N). target: CachedModel.

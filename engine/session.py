@@ -104,7 +104,8 @@ class Engine:
             if not is_datastore(config):
                 self._drafters.update(
                     _head_drafters(folder, config, self.target_lm, tree_budget(target.device, budget), store,
-                                   step_rows(target.device, budget)))
+                                   step_rows(target.device, budget),
+                                   step_rows(target.device, budget, LOOKUP_CPU_STEP_ROWS)))
         self.eos_ids = _eos_ids(target)
 
     @classmethod
@@ -217,11 +218,12 @@ def step_rows(device: torch.device, asked_budget: int | None = None, cpu_rows: f
     return cpu_rows if device.type == "cpu" and asked_budget is None else None
 
 
-def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
-                   store: Datastore | None, rows: float | None) -> dict[str, TreeDrafter]:
+def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int, store: Datastore | None,
+                   rows: float | None, lookup_rows: float | None) -> dict[str, TreeDrafter]:
     """The methods a folder of trained heads adds: EAGLE (dynamic tree, chain, tree with the lookup
     chains grafted in, prompt lookup's and the datastore's when there is one) or Medusa; trees of
-    `budget` nodes, cut to the nodes worth verifying at `rows` per step (keep_worthwhile; not the chain)."""
+    `budget` nodes, cut to the nodes worth verifying at `rows` per step (keep_worthwhile; not the chain),
+    and the grafted tree skips the head where lookup's chain alone is worth verifying at `lookup_rows`."""
     from engine.drafters.eagle import EagleDrafter, EagleHead
     from engine.drafters.medusa import MedusaDrafter, MedusaHeads, sparse_tree_paths
 
@@ -248,7 +250,8 @@ def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
     return {
         "eagle": tree,
         "eagle_chain": EagleDrafter(head, target, shape=TreeShape.from_paths(CHAIN_PATHS), name="eagle_chain"),
-        "eagle_lookup": LookupGraftedDrafter(tree, "eagle_lookup", store, LOOKUP_CHAIN_TOKENS, STORE_CHAIN_TOKENS, rows),
+        "eagle_lookup": LookupGraftedDrafter(tree, "eagle_lookup", store, LOOKUP_CHAIN_TOKENS, STORE_CHAIN_TOKENS, rows,
+                                             lookup_rows),
     }
 
 

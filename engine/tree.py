@@ -363,18 +363,25 @@ class LookupGraftedDrafter:
     the head already drafts what the datastore would have got right). Where each verified node costs
     nearly a full row of arithmetic (a CPU), a chain that copies from a strong match keeps its depth
     while a weak one gives way (README, "Choosing the tree's nodes").
+
+    With `lookup_rows`, a step whose lookup chain is worth verifying on its own at that cost (as the
+    `lookup` method would verify it) verifies that chain alone and skips the head: where drafting with the
+    head costs about a row per pass (a CPU), its nodes beside a likely chain add less than they cost.
     """
 
     def __init__(self, base: TreeDrafter, name: str, store: Datastore | None = None,
-                 lookup_tokens: int | None = None, store_tokens: int | None = None, step_rows: float | None = None):
-        if step_rows is not None and step_rows <= 0:
-            raise ValueError(f"step_rows must be positive, got {step_rows}")
+                 lookup_tokens: int | None = None, store_tokens: int | None = None, step_rows: float | None = None,
+                 lookup_rows: float | None = None):
+        for rows in (step_rows, lookup_rows):
+            if rows is not None and rows <= 0:
+                raise ValueError(f"step_rows and lookup_rows must be positive, got {rows}")
         self.base = base
         self.name = name
         self.store = store
         self.lookup_tokens = lookup_tokens
         self.store_tokens = store_tokens
         self.step_rows = step_rows
+        self.lookup_rows = lookup_rows
 
     def prefill(self, ids: list[int]) -> None:
         self.base.prefill(ids)
@@ -385,15 +392,20 @@ class LookupGraftedDrafter:
     def propose_tree(
         self, ids: list[int], depth: int, params: SamplingParams, generator: torch.Generator | None
     ) -> DraftTree:
+        lookup_tokens = depth if self.lookup_tokens is None else self.lookup_tokens
+        found, matched = lookup_match(ids, lookup_tokens)
+        lookup_values = chain_acceptance(LOOKUP_ACCEPTANCE, matched, len(found))
+        alone = worthwhile_count(lookup_values, self.lookup_rows) if self.lookup_rows is not None else 0
+        if alone:
+            root = DraftTree(torch.tensor(ids[-1:]), (-1,), None, values=(1.0,))
+            return graft_chain(root, found[:alone], PromptLookupDrafter.name, lookup_values[:alone])
         tree = self.base.propose_tree(ids, depth, params, generator)
         if tree.probs is not None:
             return tree
         tree = replace(tree, proposers=("", *[self.base.name] * (len(tree) - 1)))
         # in this order: a node two proposers share is credited to the head, then to prompt lookup
-        lookup_tokens = depth if self.lookup_tokens is None else self.lookup_tokens
         store_tokens = depth if self.store_tokens is None else self.store_tokens
-        found, matched = lookup_match(ids, lookup_tokens)
-        chains = {PromptLookupDrafter.name: (found, chain_acceptance(LOOKUP_ACCEPTANCE, matched, len(found)))}
+        chains = {PromptLookupDrafter.name: (found, lookup_values)}
         if self.store is not None:
             found, matched = self.store.continuation_match(ids, store_tokens)
             values = [STORE_BESIDE_A_TREE * v for v in chain_acceptance(STORE_ACCEPTANCE, matched, len(found))]

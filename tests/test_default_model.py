@@ -131,6 +131,7 @@ def test_head_methods_use_the_device_tree_budget(engine):
     assert eagle.step_rows == engine.drafter("eagle_lookup").step_rows == CPU_STEP_ROWS  # the trees cut on a CPU
     assert engine.drafter("medusa").step_rows == CPU_STEP_ROWS
     assert engine.drafter("lookup").step_rows == LOOKUP_CPU_STEP_ROWS == 2.5  # its chain cut too
+    assert engine.drafter("eagle_lookup").lookup_rows == LOOKUP_CPU_STEP_ROWS  # a likely chain is verified alone
     assert engine.drafter("eagle_chain").step_rows is None  # a static chain has no values to cut by
     assert len(engine.drafter("medusa").shape.parents) == 1 + 4  # a sparse tree of 4 nodes below the root
     # the shipped heads draft from the 8192 most frequent answer tokens: a sixth of the LM head per step

@@ -76,16 +76,19 @@ def test_adaptive_k_generation_is_exact(models):
     assert law_matches(counts, exact_marginals(models[0]))
 
 
-@pytest.mark.parametrize("with_store, step_rows", [(False, None), (True, None), (True, 3.0)])
-def test_lookup_grafted_tree_generation_is_exact(models, with_store, step_rows):
+@pytest.mark.parametrize("with_store, step_rows, lookup_rows", [(False, None, None), (True, None, None),
+                                                               (True, 3.0, None), (True, 3.0, 2.5)])
+def test_lookup_grafted_tree_generation_is_exact(models, with_store, step_rows, lookup_rows):
     """Prompt lookup's chain (and a datastore's) grafted into a dynamic draft tree (what eagle_lookup
     does), verified at temperature > 0: the small vocabulary makes lookup find matches in most
     steps, so grafted branches are verified often. step_rows cuts the head's tree and the merged tree
-    to the nodes worth verifying, as eagle_lookup does on a CPU."""
+    to the nodes worth verifying, and lookup_rows verifies a likely lookup chain alone, as eagle_lookup
+    does on a CPU."""
     store = Datastore.build(torch.randint(VOCAB, (20, 12), generator=torch.Generator().manual_seed(5)).tolist())
     base = DraftModelTreeDrafter(CachedModel(models[1]), None, top_k=2, budget=4, step_rows=step_rows)
     # with the store, chains of their own lengths (as shipped): lookup past the draft depth, the store's shorter
-    drafter = (LookupGraftedDrafter(base, "tree_lookup", store, lookup_tokens=6, store_tokens=2, step_rows=step_rows)
+    drafter = (LookupGraftedDrafter(base, "tree_lookup", store, lookup_tokens=6, store_tokens=2, step_rows=step_rows,
+                                    lookup_rows=lookup_rows)
                if with_store else LookupGraftedDrafter(base, "tree_lookup"))
     config = GenerationConfig(method="tree_lookup", k=3, max_new_tokens=N_TOKENS, sampling=PARAMS)
     counts = sampled_counts(models, config, trials=3000, drafter=drafter)

@@ -7,7 +7,7 @@ from engine.drafters.eagle import EagleDrafter, EagleHead
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads
 from engine.events import Summary, TokenEvent
 from engine.sampling import SamplingParams
-from engine.tree import TreeShape, keep_worthwhile, node_depths
+from engine.tree import LookupGraftedDrafter, TreeShape, keep_worthwhile, node_depths
 from tests.tiny import hf_greedy, tiny_llama, tiny_tokenizer
 
 PROMPT = "one two three four five six one two three four"
@@ -218,6 +218,35 @@ def test_eagle_features_follow_the_committed_tokens(target_model):
     n = drafter.features.shape[0]
     assert drafter.feature_ids == ids[:n] and n >= len(ids) - 5
     torch.testing.assert_close(drafter.features, fresh[:n], atol=1e-4, rtol=1e-4)
+
+
+def test_eagle_lookup_skipping_the_head_keeps_greedy_equality_and_costs_no_extra_target_pass(target_model):
+    """With lookup_rows, steps whose lookup chain is worth verifying alone never ask the EAGLE head; its
+    features still follow every committed token from the verifying forwards, so after the prompt the target
+    runs only the one verify pass per step, and the head's later trees see the right features."""
+    n = 60
+    prompt = tiny_tokenizer()("the cat sat on the mat. the cat sat on the mat. the cat")["input_ids"]
+    reference = hf_greedy(target_model, prompt, n)
+    target = CachedModel(target_model)
+    head = EagleDrafter(_random_eagle(target_model), target, None, top_k=2, budget=6, step_rows=4.0)
+    drafter = LookupGraftedDrafter(head, "eagle_lookup", lookup_tokens=8, step_rows=4.0, lookup_rows=2.5)
+    passes, trees = [], []
+    forward, forward_tree, propose = target.forward, target.forward_tree, head.propose_tree
+    target.forward = lambda *a, **k: passes.append("forward") or forward(*a, **k)
+    target.forward_tree = lambda *a: passes.append("tree") or forward_tree(*a)
+    head.propose_tree = lambda *a: trees.append(a[0]) or propose(*a)
+    config = GenerationConfig(method="eagle_lookup", k=4, max_new_tokens=n)
+    summary = list(generate(target, tiny_tokenizer(), prompt, config, drafter))[-1]
+    assert list(summary.token_ids) == reference
+    decoding = passes[passes.index("tree"):]  # one target pass per step; only a last step with one token
+    assert len(decoding) == summary.steps and "forward" not in decoding[:-1]  # left to emit drafts nothing
+    assert 0 < len(trees) < decoding.count("tree")  # some steps skipped the head, some asked it
+    ids = prompt + list(summary.token_ids)
+    with torch.inference_mode():
+        fresh = target_model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+    kept = head.features.shape[0]
+    assert head.feature_ids == ids[:kept] and kept >= len(ids) - 5
+    torch.testing.assert_close(head.features, fresh[:kept], atol=1e-4, rtol=1e-4)
 
 
 def test_eagle_head_forward_equals_hf_decoder_layer(target_model):

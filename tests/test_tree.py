@@ -220,6 +220,43 @@ def test_lookup_grafted_drafter_keeps_the_merged_nodes_worth_verifying():
         LookupGraftedDrafter(_UnlikelyHead(), "grafted", step_rows=0)
 
 
+class _CountingHead(_UnlikelyHead):
+    def __init__(self):
+        self.asked = 0
+
+    def propose_tree(self, ids, depth, params, generator):
+        self.asked += 1
+        return super().propose_tree(ids, depth, params, generator)
+
+
+def test_lookup_grafted_drafter_skips_the_head_where_lookup_alone_is_worth_verifying():
+    """With lookup_rows, a lookup chain worth verifying on its own at that cost (worthwhile_count over
+    LOOKUP_ACCEPTANCE, as the lookup method cuts it) is verified alone, without asking the head."""
+    head = _CountingHead()
+    drafter = LookupGraftedDrafter(head, "grafted", lookup_tokens=6, step_rows=4.0, lookup_rows=2.5)
+    strong = [1, 2, 3, 4, 5, 6, 1, 2, 3]  # 3 tokens matched: 0.86 0.75 0.68 0.55 0.50 0.48
+    tree = drafter.propose_tree(strong, 4, SamplingParams(), None)
+    assert head.asked == 0
+    # at 2.5 rows the fourth (0.55) no longer pays: E / T after three nodes is 3.29 / 5.5 = 0.598
+    assert tree.tokens.tolist() == [3, 4, 5, 6] and tree.parents == (-1, 0, 1, 2)
+    assert tree.proposers == ("", *["lookup"] * 3) and tree.probs is None
+    assert tree.values == (1.0, 0.86, 0.75, 0.68)
+    two = [7, 8, 1, 2, 9, 5, 1, 2]  # the tail 1 2 matched 2 tokens: 0.53 > 1 / 2.5, worth it alone
+    assert drafter.propose_tree(two, 4, SamplingParams(), None).tokens.tolist() == [2, 9] and head.asked == 0
+    without = LookupGraftedDrafter(head, "grafted", lookup_tokens=6, step_rows=4.0)  # no lookup_rows: always asked
+    assert without.propose_tree(strong, 4, SamplingParams(), None).tokens.tolist() == [3, 4, 5, 6, 1, 2]
+    assert head.asked == 1
+    weak = [7, 1, 9, 5, 1]  # 1 token matched: 0.25 < 1 / 2.5, so the head is asked and its tree merged as before
+    for step_rows in (4.0, 20.0):
+        drafter.step_rows = without.step_rows = step_rows
+        merged, want = (d.propose_tree(weak, 4, SamplingParams(), None) for d in (drafter, without))
+        assert (merged.tokens.tolist(), merged.parents, merged.proposers) == (want.tokens.tolist(), want.parents,
+                                                                           want.proposers)
+    assert head.asked == 5 and "head" in merged.proposers
+    with pytest.raises(ValueError):
+        LookupGraftedDrafter(head, "grafted", lookup_rows=0)
+
+
 def test_a_datastore_chain_beside_a_tree_is_worth_a_share_of_its_table():
     store = Datastore.build([[7, 8, 9, 10, 11]])
     ids = [40, 41, 7, 8, 9]  # the store's tail 7 8 9 (3 tokens) continues 10 11

@@ -178,12 +178,18 @@ class EagleDrafter(DraftModelTreeDrafter):
             self._feed_committed(ids[:-1], self._sync(ids))
 
     def commit(self, ids: list[int]) -> None:
-        pass  # features and the head cache are synced to the committed ids at the next proposal
+        """Keep the target features of the accepted tokens while the verifying forward still holds them (a
+        step may not ask the head for a tree: LookupGraftedDrafter); the head cache catches up at the
+        next proposal."""
+        if len(ids) >= 2:
+            self._sync(ids)
 
     def _sync(self, ids: list[int]) -> torch.Tensor:
         """Target features [len(ids) - 1, H] of positions 0..len(ids)-2 (what the target caches)."""
         want = ids[:-1]
         have = common_prefix(self.feature_ids, want)
+        if have == len(want) and self.features is not None:
+            return self.features[:have]
         fresh = self.target.hidden_at(have, len(want))
         if fresh is None or self.target.cached_ids[: len(want)] != want:
             # the target's latest forward did not cover the gap: re-feed it (the cache stays ids[:-1])

@@ -406,7 +406,9 @@ class LookupGraftedDrafter:
         # in this order: a node two proposers share is credited to the head, then to prompt lookup
         store_tokens = depth if self.store_tokens is None else self.store_tokens
         chains = {PromptLookupDrafter.name: (found, lookup_values)}
-        if self.store is not None:
+        # a node worth 1 / step_rows or less is never kept, so a store chain that cannot beat that is not looked up
+        store_best = STORE_BESIDE_A_TREE * max(row[0] for row in STORE_ACCEPTANCE.values())
+        if self.store is not None and store_best > worth_floor(self.step_rows):
             found, matched = self.store.continuation_match(ids, store_tokens)
             values = [STORE_BESIDE_A_TREE * v for v in chain_acceptance(STORE_ACCEPTANCE, matched, len(found))]
             chains[DatastoreDrafter.name] = (found, values)

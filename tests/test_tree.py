@@ -266,6 +266,29 @@ def test_a_datastore_chain_beside_a_tree_is_worth_a_share_of_its_table():
     assert [tree.values[i] for i in stored] == pytest.approx([STORE_BESIDE_A_TREE * v for v in STORE_ACCEPTANCE[3][:2]])
 
 
+def test_a_store_chain_that_no_cut_could_keep_is_not_looked_up():
+    """Beside a tree the store's chain is worth at most STORE_BESIDE_A_TREE times its table's best, and a cut
+    at step_rows never keeps a node worth 1 / step_rows or less: below that the store is not asked, and the
+    tree is the one its chain would have been cut from."""
+    store = Datastore.build([[7, 8, 9, 10, 11]])
+    ids = [40, 41, 7, 8, 9]
+    best = STORE_BESIDE_A_TREE * max(row[0] for row in STORE_ACCEPTANCE.values())
+    asked = []
+    lookup = store.continuation_match
+    store.continuation_match = lambda *a: asked.append(a) or lookup(*a)
+    for step_rows, looked_up in ((0.9 / best, False), (3.0 / best, True)):
+        drafter = LookupGraftedDrafter(_UnlikelyHead(), "grafted", store, store_tokens=2, step_rows=step_rows)
+        tree = drafter.propose_tree(ids, 4, SamplingParams(), None)
+        assert bool(asked) == looked_up
+        drafter.store = None
+        without = drafter.propose_tree(ids, 4, SamplingParams(), None)
+        if not looked_up:
+            assert (tree.tokens.tolist(), tree.parents, tree.values) == (without.tokens.tolist(), without.parents,
+                                                                      without.values)
+        else:
+            assert "rest" in tree.proposers  # its first node, worth best > 1 / step_rows, is kept
+
+
 def test_lookup_match_reports_the_matched_tail_length():
     assert lookup_match([1, 2, 3, 9, 1, 2, 3], 2) == ([9, 1], 3)
     assert lookup_match([5, 2, 9, 4, 2], 3) == ([9, 4, 2], 1)

@@ -209,6 +209,8 @@ CPU_STEP_ROWS = 4.0
 # Prompt lookup drafts for free, so its step costs fewer rows besides its chain: on a CPU its chain is cut
 # (K becomes a maximum) at 2.5, which ran at 1.10-1.12x plain decoding against 1.03-1.04x for K = 2 and
 # 0.91-0.93x for K = 4 uncut (2 and 3: 1.09-1.13x and 1.08-1.09x; same prompts, two interleaved rounds).
+# eagle_lookup verifies a lookup chain worth verifying at this cost alone, without its head: 1.06x against
+# 1.00-1.01x there, and 1.19-1.20x against 1.13-1.15x on the Spec-Bench dev prompts (README).
 LOOKUP_CPU_STEP_ROWS = 2.5
 
 

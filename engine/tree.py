@@ -19,8 +19,9 @@ import torch
 
 from engine.cache import CachedModel
 from engine.drafters import worth_floor, worthwhile_count
-from engine.drafters.datastore import STORE_ACCEPTANCE, STORE_BESIDE_A_TREE, Datastore, DatastoreDrafter
-from engine.drafters.lookup import LOOKUP_ACCEPTANCE, PromptLookupDrafter, chain_acceptance, lookup_match
+from engine.drafters.datastore import (STORE_ACCEPTANCE, STORE_BEST_BESIDE_A_TREE, STORE_BESIDE_A_TREE, Datastore,
+                                      DatastoreDrafter)
+from engine.drafters.lookup import PromptLookupDrafter, chain_acceptance, valued_lookup
 from engine.sampling import SamplingParams, process_logits
 from engine.verify import tree_children, verify_tree, verify_tree_greedy
 
@@ -393,8 +394,7 @@ class LookupGraftedDrafter:
         self, ids: list[int], depth: int, params: SamplingParams, generator: torch.Generator | None
     ) -> DraftTree:
         lookup_tokens = depth if self.lookup_tokens is None else self.lookup_tokens
-        found, matched = lookup_match(ids, lookup_tokens)
-        lookup_values = chain_acceptance(LOOKUP_ACCEPTANCE, matched, len(found))
+        found, lookup_values = valued_lookup(ids, lookup_tokens)
         alone = worthwhile_count(lookup_values, self.lookup_rows) if self.lookup_rows is not None else 0
         if alone:
             root = DraftTree(torch.tensor(ids[-1:]), (-1,), None, values=(1.0,))
@@ -407,8 +407,7 @@ class LookupGraftedDrafter:
         store_tokens = depth if self.store_tokens is None else self.store_tokens
         chains = {PromptLookupDrafter.name: (found, lookup_values)}
         # a node worth 1 / step_rows or less is never kept, so a store chain that cannot beat that is not looked up
-        store_best = STORE_BESIDE_A_TREE * max(row[0] for row in STORE_ACCEPTANCE.values())
-        if self.store is not None and store_best > worth_floor(self.step_rows):
+        if self.store is not None and STORE_BEST_BESIDE_A_TREE > worth_floor(self.step_rows):
             found, matched = self.store.continuation_match(ids, store_tokens)
             values = [STORE_BESIDE_A_TREE * v for v in chain_acceptance(STORE_ACCEPTANCE, matched, len(found))]
             chains[DatastoreDrafter.name] = (found, values)

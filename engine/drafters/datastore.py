@@ -38,6 +38,8 @@ STORE_ACCEPTANCE: dict[int, tuple[float, ...]] = {1: (0.14, 0.03, 0.0), 2: (0.21
 # such nodes of the shipped store beside the shipped EAGLE head's 4-node tree were accepted 0.038 of the
 # time where the table promised 0.141 (914 nodes), so there they are worth this share of the table.
 STORE_BESIDE_A_TREE = 0.27
+# The most a store chain's node is worth beside a tree: a cut that keeps nothing this cheap need not look it up.
+STORE_BEST_BESIDE_A_TREE = STORE_BESIDE_A_TREE * max(row[0] for row in STORE_ACCEPTANCE.values())
 
 
 class Datastore:

@@ -27,9 +27,9 @@ class PromptLookupDrafter(StatelessDrafter):
     def propose(
         self, ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Draft:
-        tokens, matched = lookup_match(ids, k, self.max_ngram, self.min_ngram)
+        tokens, values = valued_lookup(ids, k, self.max_ngram, self.min_ngram)
         if self.step_rows is not None:
-            tokens = tokens[: worthwhile_count(chain_acceptance(LOOKUP_ACCEPTANCE, matched, len(tokens)), self.step_rows)]
+            tokens = tokens[: worthwhile_count(values, self.step_rows)]
         return Draft(tokens=torch.tensor(tokens, dtype=torch.long), probs=None)
 
 
@@ -63,6 +63,13 @@ def lookup_match(ids: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1)
             follow = int(starts[-1]) + n
             return ids[follow : follow + k], n
     return [], 0
+
+
+def valued_lookup(ids: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> tuple[list[int], list[float]]:
+    """lookup's chain and each token's value: how likely the chain is right through it (LOOKUP_ACCEPTANCE
+    for the length of the tail it matched)."""
+    tokens, matched = lookup_match(ids, k, max_ngram, min_ngram)
+    return tokens, chain_acceptance(LOOKUP_ACCEPTANCE, matched, len(tokens))
 
 
 def chain_acceptance(table: dict[int, tuple[float, ...]], n: int, length: int) -> list[float]:

@@ -1,4 +1,4 @@
-// SpecLens's float32 CPU kernels for decoding on x86-64 (AVX-512F, or AVX2 + FMA): a linear layer
+// SpecLens's float32 CPU kernels for decoding on x86-64 (AVX-512F, or AVX2 + FMA + F16C): a linear layer
 // and attention over a KV cache, both batch invariant.
 //
 // Linear: y[M, N] = x[M, K] W^T (+ bias) with W repacked once into panels of 16 output columns,
@@ -15,14 +15,14 @@
 // whether it is computed alone or inside a block of any size. Verification therefore scores a
 // drafted token with exactly the numbers plain decoding would have computed for it.
 //
-// 4-bit blocks (AVX-512 builds): a weight whose every 32 consecutive inputs of an output hold
+// 4-bit blocks: a weight whose every 32 consecutive inputs of an output hold
 // m + d * q exactly (q = 0..15; d, m half precision: what a Q4_1 GGUF dequantises to, as the embedded
 // default's decoder does) can be packed as those q, d and m, 5 bits a weight instead of 32. The kernel
 // rebuilds each weight as fma(d, q, m), which is m + d * q exactly (d * q needs 15 bits), and runs the
 // same FMA chain as the float32 panels: the outputs are bit for bit those of the float32 weights.
 // Python packs (engine/native_kernels.py, pack_blocks) only weights it has checked to rebuild exactly.
 //
-// 8-bit blocks (AVX-512 builds), likewise: a weight whose every 32 consecutive inputs of an output hold
+// 8-bit blocks, likewise: a weight whose every 32 consecutive inputs of an output hold
 // d * q exactly (q = -128..127, d half precision: a Q8_0 GGUF's, as the embedded default's tied LM
 // head) is packed as q and d, 8.5 bits a weight; the kernel rebuilds d * q (exact: 19 bits) and runs
 // the same chain (pack_byte_blocks).
@@ -136,7 +136,6 @@ void tile(const float* xt, int64_t ldx, const W* w, int64_t K, const float* bias
 // Per panel, per 32 k: 16 d then 16 m (half precision, one per column), then for each pair of inputs
 // k, k + 1 16 bytes whose byte j holds column j's q for k in its low nibble and for k + 1 in its high
 // one (one widening gives both). An overload of tile, so that rows and span serve every weight format.
-constexpr bool kBlocks = true;
 
 template <int MR, int NV>
 void tile(const float* xt, int64_t ldx, const uint8_t* w, int64_t K, const float* bias, float* out, int64_t ldo,
@@ -245,7 +244,7 @@ void span(const float* xt, int64_t M, const W* w, int64_t K, const float* bias, 
 
 constexpr const char* kIsa = "AVX-512";
 
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
 // 8 weights of a panel line as floats: float32 as they are, bfloat16 widened exactly.
 inline __m256 load_half(const float* p) { return _mm256_load_ps(p); }
@@ -254,39 +253,110 @@ inline __m256 load_half(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
-// One panel (two 8-float halves) for rows [0, MR); xt: the rows transposed, [K, ldx].
-template <int MR, typename W>
-void tile(const float* xt, int64_t ldx, const W* w, int64_t K, const float* bias, float* out, int64_t ldo,
-          int64_t cols) {
+// The 16 half-precision values at p (one per column of a panel) as floats: columns 0-7, then 8-15.
+inline void load_halves(const uint8_t* p, __m256& lo, __m256& hi) {
+  lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+}
+
+// The outputs of rows [0, MR) times one panel (two 8-float halves), held in registers while a tile runs
+// over k: every tile (float32 or bfloat16 lines, 4-bit or 8-bit blocks) starts it at zero, adds one k
+// at a time, stores it.
+template <int MR>
+struct Accumulators {
   __m256 lo[MR], hi[MR];
+
+  __attribute__((always_inline)) Accumulators() {
 #pragma GCC unroll 6
-  for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const W* wk = w + k * kPanel;
-    const __m256 b0 = load_half(wk), b1 = load_half(wk + 8);
-    _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch * kPanel), _MM_HINT_T0);
+    for (int r = 0; r < MR; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  }
+
+  // one k of each output's chain (x: the rows' inputs at k; b0, b1: the panel's weights at k)
+  __attribute__((always_inline)) void add(const float* x, __m256 b0, __m256 b1) {
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
-      const __m256 a = _mm256_broadcast_ss(xt + k * ldx + r);
+      const __m256 a = _mm256_broadcast_ss(x + r);
       lo[r] = _mm256_fmadd_ps(a, b0, lo[r]);
       hi[r] = _mm256_fmadd_ps(a, b1, hi[r]);
     }
   }
-  alignas(32) float line[kPanel];
-#pragma GCC unroll 6
-  for (int r = 0; r < MR; ++r) {
-    _mm256_store_ps(line, lo[r]);
-    _mm256_store_ps(line + 8, hi[r]);
+
+  // out[r, c] = the chains (+ bias[c]) for the `cols` valid columns
+  __attribute__((always_inline)) void store(const float* bias, float* out, int64_t ldo, int64_t cols) const {
+    alignas(32) float line[kPanel];
     const int64_t n = std::min<int64_t>(cols, kPanel);
-    for (int64_t c = 0; c < n; ++c) out[r * ldo + c] = bias ? line[c] + bias[c] : line[c];
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      _mm256_store_ps(line, lo[r]);
+      _mm256_store_ps(line + 8, hi[r]);
+      for (int64_t c = 0; c < n; ++c) out[r * ldo + c] = bias ? line[c] + bias[c] : line[c];
+    }
   }
+};
+
+// One panel for rows [0, MR); xt: the rows transposed, [K, ldx].
+template <int MR, typename W>
+void tile(const float* xt, int64_t ldx, const W* w, int64_t K, const float* bias, float* out, int64_t ldo,
+          int64_t cols) {
+  Accumulators<MR> acc;
+  for (int64_t k = 0; k < K; ++k) {
+    const W* wk = w + k * kPanel;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + kPrefetch * kPanel), _MM_HINT_T0);
+    acc.add(xt + k * ldx, load_half(wk), load_half(wk + 8));
+  }
+  acc.store(bias, out, ldo, cols);
 }
 
-constexpr bool kBlocks = false;  // 4- and 8-bit blocks are refused (linear checks): never packed here
+// ---- 4-bit and 8-bit blocks: the AVX-512 layouts above, read 8 columns at a time ----
+
 template <int MR>
-void tile(const float*, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t, int64_t) {}
+void tile(const float* xt, int64_t ldx, const uint8_t* w, int64_t K, const float* bias, float* out, int64_t ldo,
+          int64_t cols) {
+  Accumulators<MR> acc;
+  const __m256i nibble = _mm256_set1_epi32(15);
+  for (int64_t kb = 0; kb < K / 32; ++kb) {
+    const uint8_t* block = w + kb * kBlockBytes;
+    __m256 d_lo, d_hi, m_lo, m_hi;
+    load_halves(block, d_lo, d_hi);
+    load_halves(block + 32, m_lo, m_hi);
+    for (int64_t line = 0; line < kBlockBytes; line += 64)  // three blocks (~1 KB) ahead
+      _mm_prefetch(reinterpret_cast<const char*>(block + 3 * kBlockBytes + line), _MM_HINT_T0);
+#pragma GCC unroll 2
+    for (int kk = 0; kk < 32; kk += 2) {  // inputs k and k + 1 share each column's byte
+      const int64_t k = kb * 32 + kk;
+      const __m128i pair = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 64 + kk * 8));
+      const __m256i lo = _mm256_cvtepu8_epi32(pair), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(pair, 8));
+      acc.add(xt + k * ldx,  // m + d q, exactly
+              _mm256_fmadd_ps(d_lo, _mm256_cvtepi32_ps(_mm256_and_si256(lo, nibble)), m_lo),
+              _mm256_fmadd_ps(d_hi, _mm256_cvtepi32_ps(_mm256_and_si256(hi, nibble)), m_hi));
+      acc.add(xt + (k + 1) * ldx,
+              _mm256_fmadd_ps(d_lo, _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), m_lo),
+              _mm256_fmadd_ps(d_hi, _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4)), m_hi));
+    }
+  }
+  acc.store(bias, out, ldo, cols);
+}
+
 template <int MR>
-void tile(const float*, int64_t, const int8_t*, int64_t, const float*, float*, int64_t, int64_t) {}
+void tile(const float* xt, int64_t ldx, const int8_t* w, int64_t K, const float* bias, float* out, int64_t ldo,
+          int64_t cols) {
+  Accumulators<MR> acc;
+  for (int64_t kb = 0; kb < K / 32; ++kb) {
+    const int8_t* block = w + kb * kByteBlockBytes;
+    __m256 d_lo, d_hi;
+    load_halves(reinterpret_cast<const uint8_t*>(block), d_lo, d_hi);
+    for (int64_t line = 0; line < kByteBlockBytes; line += 64)  // two blocks (~1 KB) ahead
+      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * kByteBlockBytes + line), _MM_HINT_T0);
+#pragma GCC unroll 2
+    for (int kk = 0; kk < 32; ++kk) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 + kk * 16));
+      acc.add(xt + (kb * 32 + kk) * ldx,  // d q, exactly
+              _mm256_mul_ps(d_lo, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))),
+              _mm256_mul_ps(d_hi, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))));
+    }
+  }
+  acc.store(bias, out, ldo, cols);
+}
 
 inline int64_t tile_panels(int64_t) { return 1; }
 
@@ -308,11 +378,10 @@ void span(const float* xt, int64_t M, const W* w, int64_t K, const float* bias, 
   }
 }
 
-
 constexpr const char* kIsa = "AVX2";
 
 #else
-#error "SpecLens's native linear needs AVX-512F or AVX2 with FMA"
+#error "SpecLens's native linear needs AVX-512F, or AVX2 with FMA and F16C"
 #endif
 
 
@@ -558,8 +627,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, const 
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "linear takes float32 CPU input");
   const bool nibbles = panels.scalar_type() == torch::kUInt8, bytes = panels.scalar_type() == torch::kChar;
   TORCH_CHECK(panels.scalar_type() == torch::kFloat32 || panels.scalar_type() == torch::kBFloat16 ||
-                  ((nibbles || bytes) && kBlocks),
-              "panels are float32 or bfloat16 (or, on AVX-512, 4-bit or 8-bit blocks)");
+                  nibbles || bytes,
+              "panels are float32 or bfloat16, or 4-bit or 8-bit blocks");
   TORCH_CHECK(panels.dim() == 3 && panels.is_contiguous() && panels.size(0) * kPanel >= N &&
                   (panels.size(0) * kPanel) % kGroup == 0 &&
                   (nibbles || bytes ? K % 32 == 0 && panels.size(1) == K / 32 &&
@@ -860,7 +929,6 @@ void move_rows(const std::vector<torch::Tensor>& buffers, const std::vector<int6
 }
 
 std::string isa() { return kIsa; }
-bool blocks() { return kBlocks; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "float32 weight [N, K] -> panels [P, K, 16] in float32 or bfloat16",
@@ -870,5 +938,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder", &decoder, "a Llama decoder stack, its final norm and LM head, on these kernels");
   m.def("move_rows", &move_rows, "move KV cache rows towards the start in every buffer [B, G, capacity, D]");
   m.def("isa", &isa, "the instruction set this build uses");
-  m.def("blocks", &blocks, "whether linear takes 4-bit and 8-bit blocks (engine/native_kernels.py, pack_blocks)");
 }

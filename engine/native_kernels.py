@@ -18,7 +18,8 @@ They are built with torch.utils.cpp_extension (a C++ compiler and ninja) into th
 keyed by the source, the torch build and this CPU, so later starts load them in a second. Where they
 cannot be built (no compiler, another architecture, a CPU without AVX2 and FMA) or fail their
 self-check, SpecLens says why (`speclens doctor`) and uses PyTorch's kernels (engine/cpu_kernels.py,
-engine/attention.py). SPECLENS_NATIVE_KERNELS=0 turns them off.
+engine/attention.py). SPECLENS_NATIVE_KERNELS=0 turns them off; SPECLENS_NATIVE_ISA=avx2 builds them
+without AVX-512 on a CPU that has it (to test or measure the AVX2 path, which most laptops run).
 """
 
 from __future__ import annotations
@@ -37,8 +38,16 @@ import torch
 from torch import nn
 
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}  # SPECLENS_NATIVE_ISA: extra flags to -march=native
+
+
+def isa_choice() -> str:
+    return os.environ.get("SPECLENS_NATIVE_ISA", "native").lower()
+
+
+def cflags() -> tuple[str, ...]:
+    return ("-O3", "-march=native", *ISA_FLAGS.get(isa_choice(), ()), "-fopenmp")
 
 
 @dataclass(frozen=True)
@@ -61,9 +70,9 @@ def build_name() -> str:
     """The extension's name: a digest of everything the compiled file depends on."""
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode(), _cpu_signature().encode(),
-                 " ".join(CFLAGS + LDFLAGS).encode()):
+                 " ".join(cflags() + LDFLAGS).encode()):
         digest.update(part)
-    return f"speclens_native_{digest.hexdigest()[:16]}"
+    return f"speclens_{isa_choice()}_{digest.hexdigest()[:16]}"
 
 
 def build_dir() -> Path:
@@ -76,6 +85,8 @@ def unsupported_reason() -> str | None:
     """Why this machine cannot use the native kernel, or None if it can try to build it."""
     if os.environ.get("SPECLENS_NATIVE_KERNELS", "1") == "0":
         return "turned off (SPECLENS_NATIVE_KERNELS=0)"
+    if isa_choice() not in ISA_FLAGS:
+        return f"SPECLENS_NATIVE_ISA={isa_choice()} is not one of {', '.join(ISA_FLAGS)}"
     if not SOURCE.exists():
         return f"its source {SOURCE.name} is missing from this installation"
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
@@ -133,13 +144,15 @@ def native_build() -> NativeBuild:
     problem = self_check(module)
     if problem:
         return NativeBuild(None, f"failed its self-check ({problem}); PyTorch's kernels are used")
-    blocks = " (Q4_1- and Q8_0-style weights as 4-bit and 8-bit blocks)" if module.blocks() else ""
-    return NativeBuild(module, f"{module.isa()} float32 linear{blocks} and attention, built for this CPU in {build_dir()}")
+    return NativeBuild(module, f"{module.isa()} float32 linear (Q4_1- and Q8_0-style weights as 4-bit and 8-bit "
+                               f"blocks) and attention, built for this CPU in {build_dir()}")
 
 
 def _remove_older_builds(current: Path) -> None:
-    """Builds for an earlier source, torch or CPU (a few MB each) are left by upgrades: drop them."""
-    for other in current.parent.glob("speclens_native_*"):
+    """Builds for an earlier source, torch or CPU (a few MB each) are left by upgrades: drop them (those of
+    the same instruction-set choice only: an AVX2 build made for testing leaves the native one alone)."""
+    prefix = current.name.rsplit("_", 1)[0]
+    for other in current.parent.glob(f"{prefix}_*"):
         if other.name not in (current.name, current.name + ".lock"):
             if other.is_dir():
                 shutil.rmtree(other, ignore_errors=True)
@@ -150,7 +163,7 @@ def _remove_older_builds(current: Path) -> None:
 def _load(folder: Path):
     from torch.utils.cpp_extension import load
 
-    return load(build_name(), [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+    return load(build_name(), [str(SOURCE)], extra_cflags=list(cflags()), extra_ldflags=list(LDFLAGS),
                 build_directory=str(folder), verbose=False)
 
 
@@ -175,23 +188,22 @@ def self_check(module) -> str | None:
                 alone = torch.cat([module.linear(x[i : i + 1], panels, b, out_features) for i in range(rows)])
                 if not torch.equal(got, alone):
                     return f"a block of {rows} rows differs from its rows computed one at a time"
-    if module.blocks():
-        # a Q4_1-style weight (m + d q per 32 inputs) as 4-bit blocks and a Q8_0-style one (d q) as 8-bit
-        # blocks must give the float32 panels' bits
-        scale = (torch.rand(100, 3, 1, generator=generator) * 0.02 + 1e-3).half().float()
-        low = (-torch.rand(100, 3, 1, generator=generator) * 0.1).half().float()
-        levels = torch.randint(0, 16, (100, 3, 32), generator=generator).float()
-        levels[..., 0], levels[..., 1] = 0, 15
-        signed = torch.randint(-127, 128, (100, 3, 32), generator=generator).float()
-        signed[..., 0] = 127
-        for name, pack_kind, weight in (("4-bit", pack_blocks, torch.addcmul(low, scale, levels).view(100, 96)),
-                                        ("8-bit", pack_byte_blocks, (scale * signed).view(100, 96))):
-            blocks = pack_kind(weight)
-            for rows in (1, 5, 9, 13, 30):
-                x = torch.randn(rows, 96, generator=generator)
-                if blocks is None or not torch.equal(module.linear(x, blocks, None, 100),
-                                                     module.linear(x, module.pack(weight, False), None, 100)):
-                    return f"{rows} rows over {name} blocks differ from the same weight's float32 panels"
+    # a Q4_1-style weight (m + d q per 32 inputs) as 4-bit blocks and a Q8_0-style one (d q) as 8-bit
+    # blocks must give the float32 panels' bits
+    scale = (torch.rand(100, 3, 1, generator=generator) * 0.02 + 1e-3).half().float()
+    low = (-torch.rand(100, 3, 1, generator=generator) * 0.1).half().float()
+    levels = torch.randint(0, 16, (100, 3, 32), generator=generator).float()
+    levels[..., 0], levels[..., 1] = 0, 15
+    signed = torch.randint(-127, 128, (100, 3, 32), generator=generator).float()
+    signed[..., 0] = 127
+    for name, pack_kind, weight in (("4-bit", pack_blocks, torch.addcmul(low, scale, levels).view(100, 96)),
+                                    ("8-bit", pack_byte_blocks, (scale * signed).view(100, 96))):
+        blocks = pack_kind(weight)
+        for rows in (1, 5, 9, 13, 30):
+            x = torch.randn(rows, 96, generator=generator)
+            if blocks is None or not torch.equal(module.linear(x, blocks, None, 100),
+                                                 module.linear(x, module.pack(weight, False), None, 100)):
+                return f"{rows} rows over {name} blocks differ from the same weight's float32 panels"
     return _attention_problem(module, generator)
 
 
@@ -338,7 +350,7 @@ class NativeLinear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         weight32 = weight.detach().float().contiguous()
         blocks = None
-        if not bfloat16 and module.blocks():
+        if not bfloat16:
             blocks = pack_blocks(weight32)
             blocks = pack_byte_blocks(weight32) if blocks is None else blocks
         self.panels = module.pack(weight32, bfloat16) if blocks is None else blocks  # not a parameter

@@ -4,6 +4,7 @@ rows are bit for bit the same alone or in a block, and so is a whole model's for
 when they cannot be built, and the logits of a verified block and tree equal to one-token decoding's. (Greedy equality of every
 head method on a native target: tests/test_cpu_kernels.py.)"""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -111,10 +112,9 @@ def _q8_weight(n: int, k: int, seed: int) -> torch.Tensor:
 # (name, a weight of that kind, its packer, the packed dtype, bytes per panel per 32 inputs)
 BLOCK_FORMATS = [("4-bit", _q4_weight, native_kernels.pack_blocks, torch.uint8, 320),
                  ("8-bit", _q8_weight, native_kernels.pack_byte_blocks, torch.int8, 544)]
-needs_blocks = pytest.mark.skipif(native is None or not native.blocks(), reason="blocks need an AVX-512 build")
 
 
-@needs_blocks
+@needs_native
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("name, make, packer, dtype, block_bytes", BLOCK_FORMATS, ids=[f[0] for f in BLOCK_FORMATS])
 def test_blocks_give_the_float32_panels_bits(bias, name, make, packer, dtype, block_bytes):
@@ -159,7 +159,7 @@ def test_the_two_block_kinds_do_not_take_each_others_weights():
     assert native_kernels.pack_blocks(_q8_weight(64, 96, seed=5)) is None
 
 
-@needs_blocks
+@needs_native
 def test_a_target_of_blocks_decodes_exactly_as_with_float32_panels(monkeypatch):
     """A tiny model whose decoder weights are Q4_1-style and whose LM head is Q8_0-style (as the embedded
     default's): on 4-bit and 8-bit blocks (the lean forward included) its logits for a prompt, a verified
@@ -270,10 +270,9 @@ def test_a_failing_self_check_keeps_the_kernel_out():
     assert "differ from F.linear" in native_kernels.self_check(Wrong)
     if native is not None:
         assert native_kernels.self_check(native) is None
-    if native is not None and native.blocks():
         for dtype, name in ((torch.uint8, "4-bit"), (torch.int8, "8-bit")):
             class WrongBlocks:  # right on float32 and bfloat16 panels and one kind of blocks, one ulp off on the other
-                pack, attention, blocks = native.pack, native.attention, native.blocks
+                pack, attention = native.pack, native.attention
 
                 @staticmethod
                 def linear(x, panels, bias, out_features):
@@ -480,3 +479,27 @@ def test_builds_for_an_older_source_are_removed(monkeypatch, tmp_path):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["speclens_native_new", "speclens_native_new.lock", "unrelated"]
     finally:
         native_build.cache_clear()
+
+
+@needs_native
+def test_the_build_is_the_instruction_set_asked_for():
+    """SPECLENS_NATIVE_ISA=avx2 builds the AVX2 path on an AVX-512 CPU (the test below relies on it);
+    otherwise the build uses the best this CPU has."""
+    if native_kernels.isa_choice() == "avx2":
+        assert native.isa() == "AVX2"
+    else:
+        assert native.isa() == {"AVX512": "AVX-512", "AVX2": "AVX2"}[torch.backends.cpu.get_cpu_capability()]
+
+
+@needs_native
+@pytest.mark.skipif(native is None or native.isa() == "AVX2", reason="this build already is the AVX2 one")
+def test_the_avx2_build_passes_this_file_too():
+    """Most x86 laptops have AVX2 but not AVX-512, and CI machines have AVX-512: so every test above runs
+    again on an AVX2 build of the same source (its own folder in the cache; built once, about 30 s),
+    blocks and all."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not avx2_build"],
+        capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "SPECLENS_NATIVE_ISA": "avx2"})
+    summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+    assert run.returncode == 0 and " passed" in summary and "skipped" not in summary, run.stdout[-3000:] + run.stderr[-3000:]

@@ -256,23 +256,7 @@ def verify_cost(engine, ids: list[int], sizes: Sequence[int] = VERIFY_SIZES, rou
     This curve decides what a draft can pay for on a device: a step that emits tau tokens costs
     cost(T) plus drafting, so speculation wins only where tau / (cost(T) / cost(1)) exceeds 1 by
     more than the draft's share. Measured, because it depends on the CPU, dtype and threads."""
-    if not ids:
-        raise ValueError("verify_cost needs a non-empty prompt")
-    target = engine.target_lm
-    target.prefill(ids)
-    context = ids[:-1]
-    filler = (ids * (max(sizes) // len(ids) + 1))[: max(sizes)]  # real tokens, so the work is realistic
-    times: dict[int, list[float]] = {t: [] for t in sizes}
-    for round_ in range(rounds + 1):
-        for t in sizes:
-            _sync(target.device)
-            start = time.perf_counter()
-            target.forward(context, filler[:t], t)
-            _sync(target.device)
-            if round_:
-                times[t].append(time.perf_counter() - start)
-            target.truncate(len(context))
-    return {t: sorted(v)[len(v) // 2] for t, v in times.items()}
+    return engine.target_lm.time_forwards(ids, sizes, rounds)
 
 
 def one_row_kernels(engine) -> tuple[float, float] | None:
@@ -295,10 +279,12 @@ def set_threads(engine, ids: list[int], threads: int | str | None) -> dict[int, 
     """Apply BenchOptions.threads: a number, "auto" (measured on ids, see pick_threads; returns the
     rates) or None (torch's choice)."""
     if threads == "auto":
-        return pick_threads(engine, ids[:128])
-    if isinstance(threads, int):
+        rates = pick_threads(engine, ids[:128])
+    elif isinstance(threads, int):
         torch.set_num_threads(threads)
-    return None
+    if threads is not None:
+        engine.remeasure_lookup_cost()  # what a verified token costs depends on the threads
+    return rates if threads == "auto" else None
 
 
 def run_method(engine, method: str, ids: list[int], options: BenchOptions, seed: int, max_new: int) -> Run:

@@ -8,6 +8,9 @@ holds, position for position.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
@@ -141,6 +144,31 @@ class CachedModel:
             self.hidden, self.hidden_start, self.hidden_end = hidden, keep, len(ids)
         self.cached_ids.extend(new)
         return logits[:, : self.n_vocab]
+
+    def time_forwards(self, ids: list[int], sizes: Sequence[int], rounds: int = 5) -> dict[int, float]:
+        """Median seconds of one forward over t new tokens, with logits for all t as a verify step needs,
+        after ids[:-1] are cached; per t in sizes. Rounds interleave the sizes, after one warm-up round;
+        the tokens are ids repeated, so the work is realistic. The cache then holds ids[:-1]."""
+        if not ids:
+            raise ValueError("timing forwards needs a non-empty prompt")
+        self.prefill(ids)
+        context = ids[:-1]
+        filler = (ids * (max(sizes) // len(ids) + 1))[: max(sizes)]
+        times: dict[int, list[float]] = {t: [] for t in sizes}
+        for round_ in range(rounds + 1):
+            for t in sizes:
+                self._sync()
+                start = time.perf_counter()
+                self.forward(context, filler[:t], t)
+                self._sync()
+                if round_:
+                    times[t].append(time.perf_counter() - start)
+                self.truncate(len(context))
+        return {t: sorted(v)[len(v) // 2] for t, v in times.items()}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def forward_tree(self, context: list[int], tree_tokens: list[int], parents: list[int]) -> torch.Tensor:

@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from engine.cache import CachedModel
 from engine.cpu_kernels import native_kernel_of
 from engine.decode import GenerationConfig, generate
-from engine.drafters import Drafter
+from engine.drafters import Drafter, StepCost
 from engine.drafters.datastore import Datastore, DatastoreDrafter, is_datastore
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.drafters.lookup import PromptLookupDrafter
@@ -81,8 +81,8 @@ class Engine:
         rows = target.model.config.get_text_config().vocab_size
         n_vocab = self.compatibility.n_vocab if self.compatibility else min(len(target.tokenizer), rows)
         self.target_lm = CachedModel(target.model, n_vocab)
-        self._drafters: dict[str, Drafter | TreeDrafter] = {
-            "lookup": PromptLookupDrafter(step_rows=step_rows(target.device, cpu_rows=LOOKUP_CPU_STEP_ROWS))}
+        self.lookup_cost = measure_lookup_cost(self.target_lm)
+        self._drafters: dict[str, Drafter | TreeDrafter] = {"lookup": PromptLookupDrafter(step_cost=self.lookup_cost)}
         if draft is not None:
             self._drafters["draft"] = DraftModelDrafter(CachedModel(draft.model, n_vocab))
             self._drafters["tree"] = DraftModelTreeDrafter(
@@ -104,9 +104,19 @@ class Engine:
             if not is_datastore(config):
                 self._drafters.update(
                     _head_drafters(folder, config, self.target_lm, tree_budget(target.device, budget), store,
-                                   step_rows(target.device, budget),
-                                   step_rows(target.device, budget, LOOKUP_CPU_STEP_ROWS)))
+                                   head_step_cost(target.device, budget), self.lookup_cost if budget is None else None))
         self.eos_ids = _eos_ids(target)
+
+    def remeasure_lookup_cost(self) -> None:
+        """Measure prompt lookup's step cost again (measure_lookup_cost), as after the thread count changed
+        (the bench's --threads): for its cut and for eagle_lookup's, where that one has it."""
+        measured = measure_lookup_cost(self.target_lm)
+        for drafter in self._drafters.values():
+            if isinstance(drafter, PromptLookupDrafter):
+                drafter.step_cost = measured
+            if isinstance(drafter, LookupGraftedDrafter) and drafter.lookup_cost is not None:
+                drafter.lookup_cost = measured
+        self.lookup_cost = measured
 
     @classmethod
     def load(cls, settings: ModelSettings, progress: Progress | None = None) -> Engine:
@@ -206,26 +216,43 @@ STORE_CHAIN_TOKENS = 2
 # fixed cut to 2 nodes before it) and 4-5 for eagle. A GPU verifies a few dozen tokens at about the cost of
 # one: no cut there. An asked tree budget is kept whole, so tau at a budget can be measured on any device.
 CPU_STEP_ROWS = 4.0
-# Prompt lookup drafts for free, so its step costs fewer rows besides its chain: on a CPU its chain is cut
-# (K becomes a maximum) at 2.5, which ran at 1.10-1.12x plain decoding against 1.03-1.04x for K = 2 and
-# 0.91-0.93x for K = 4 uncut (2 and 3: 1.09-1.13x and 1.08-1.09x; same prompts, two interleaved rounds).
-# eagle_lookup verifies a lookup chain worth verifying at this cost alone, without its head: 1.06x against
-# 1.00-1.01x there, and 1.19-1.20x against 1.13-1.15x on the Spec-Bench dev prompts (README).
-LOOKUP_CPU_STEP_ROWS = 2.5
+# Prompt lookup drafts for free, so what a step with its chain costs is the target's forward over the
+# chain and the root. On a CPU that curve is measured when the models load (measure_lookup_cost: forwards
+# of 1 .. LOOKUP_COST_TOKENS tokens, about a quarter of a second) and cuts the chain (K becomes a maximum);
+# eagle_lookup verifies a lookup chain worth verifying at that cost alone, without its head. Against the
+# fixed 2.5 rows besides the chain that it replaced (README, "Choosing the tree's nodes"), interleaved in
+# one process, two rounds each: `lookup` 1.24-1.26x plain decoding against 1.15x on our own prompts and
+# 1.30x against 1.24x on the Spec-Bench dev prompts; eagle_lookup unchanged (1.24-1.26x against 1.25x,
+# 1.28-1.29x against 1.29-1.30x). A head's trees keep CPU_STEP_ROWS: a curve of forwards alone misses
+# what drafting them costs, and kept too many nodes there (1.11-1.13x against 1.21-1.24x).
+LOOKUP_COST_TOKENS = 9  # chains of up to 8 tokens are timed; longer ones extrapolate the curve
 
 
-def step_rows(device: torch.device, asked_budget: int | None = None, cpu_rows: float = CPU_STEP_ROWS) -> float | None:
-    """A method's per-step cost in verified rows, for worthwhile_count (None: no cut): `cpu_rows` on a CPU
-    (the head methods' by default) unless a tree budget was asked."""
-    return cpu_rows if device.type == "cpu" and asked_budget is None else None
+def head_step_cost(device: torch.device, asked_budget: int | None = None) -> StepCost | None:
+    """What the head methods' trees are cut by (None: no cut): CPU_STEP_ROWS rows besides their nodes, on a
+    CPU unless a tree budget was asked."""
+    return StepCost.linear(CPU_STEP_ROWS) if device.type == "cpu" and asked_budget is None else None
+
+
+def measure_lookup_cost(target: CachedModel, rounds: int = 3) -> StepCost | None:
+    """Prompt lookup's step cost on a CPU (None elsewhere: a GPU verifies a chain at about the cost of one
+    token): the target's forward over n + 1 tokens for a chain of n, timed now over a context of 64
+    tokens (medians of `rounds`), made rising and convex (StepCost.measured). The target's cache is left
+    empty."""
+    if target.device.type != "cpu":
+        return None
+    context = [1 + i % max(target.n_vocab - 1, 1) for i in range(64)]
+    seconds = target.time_forwards(context, range(1, LOOKUP_COST_TOKENS + 1), rounds)
+    target.reset()
+    return StepCost.measured([seconds[t] for t in range(1, LOOKUP_COST_TOKENS + 1)])
 
 
 def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int, store: Datastore | None,
-                   rows: float | None, lookup_rows: float | None) -> dict[str, TreeDrafter]:
+                   cost: StepCost | None, lookup_cost: StepCost | None) -> dict[str, TreeDrafter]:
     """The methods a folder of trained heads adds: EAGLE (dynamic tree, chain, tree with the lookup
     chains grafted in, prompt lookup's and the datastore's when there is one) or Medusa; trees of
-    `budget` nodes, cut to the nodes worth verifying at `rows` per step (keep_worthwhile; not the chain),
-    and the grafted tree skips the head where lookup's chain alone is worth verifying at `lookup_rows`."""
+    `budget` nodes, cut to the nodes worth verifying at `cost` (keep_worthwhile; not the chain), and the
+    grafted tree skips the head where lookup's chain alone is worth verifying at `lookup_cost`."""
     from engine.drafters.eagle import EagleDrafter, EagleHead
     from engine.drafters.medusa import MedusaDrafter, MedusaHeads, sparse_tree_paths
 
@@ -239,7 +266,7 @@ def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
                 paths = sparse_tree_paths(accuracy, budget)
             else:
                 paths = heads.config.get("medusa_choices") or DEFAULT_TREE_PATHS
-            return {"medusa": MedusaDrafter(heads, target, TreeShape.from_paths(paths), step_rows=rows)}
+            return {"medusa": MedusaDrafter(heads, target, TreeShape.from_paths(paths), step_cost=cost)}
         head = EagleHead.load(folder)
     except UNREADABLE_WEIGHTS as exc:
         raise EngineError(f"Could not load the heads in {folder}: {exc}") from exc
@@ -248,12 +275,12 @@ def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
             f"The EAGLE head in {folder} has width {head.config.hidden_size}, the target {text_config.hidden_size}: "
             "it was trained for another model."
         )
-    tree = EagleDrafter(head, target, top_k=eagle_top_k(budget), budget=budget, step_rows=rows)
+    tree = EagleDrafter(head, target, top_k=eagle_top_k(budget), budget=budget, step_cost=cost)
     return {
         "eagle": tree,
         "eagle_chain": EagleDrafter(head, target, shape=TreeShape.from_paths(CHAIN_PATHS), name="eagle_chain"),
-        "eagle_lookup": LookupGraftedDrafter(tree, "eagle_lookup", store, LOOKUP_CHAIN_TOKENS, STORE_CHAIN_TOKENS, rows,
-                                             lookup_rows),
+        "eagle_lookup": LookupGraftedDrafter(tree, "eagle_lookup", store, LOOKUP_CHAIN_TOKENS, STORE_CHAIN_TOKENS, cost,
+                                             lookup_cost),
     }
 
 

@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from engine.cache import CachedModel
-from engine.drafters import worth_floor, worthwhile_count
+from engine.drafters import StepCost, worth_floor, worthwhile_count
 from engine.drafters.datastore import (STORE_ACCEPTANCE, STORE_BEST_BESIDE_A_TREE, STORE_BESIDE_A_TREE, Datastore,
                                       DatastoreDrafter)
 from engine.drafters.lookup import PromptLookupDrafter, chain_acceptance, valued_lookup
@@ -170,17 +170,17 @@ class DraftModelTreeDrafter:
     replacement from the draft distribution. Dynamic (shape=None, EAGLE-2-style): at each depth the
     `top_k` frontier nodes of highest cumulative draft probability get their top_k tokens as
     children, then the `budget` best nodes are kept (deterministic children, verified as one-hot),
-    and with `step_rows` only those of them worth verifying (keep_worthwhile).
+    and with `step_cost` only those of them worth verifying (keep_worthwhile).
     """
 
     def __init__(self, model: CachedModel, shape: TreeShape | None = None, top_k: int = 3,
-                 budget: int = 16, name: str = "tree", step_rows: float | None = None):
+                 budget: int = 16, name: str = "tree", step_cost: StepCost | None = None):
         self.lm = model
         self.shape = shape
         self.top_k = top_k
         self.budget = budget
         self.name = name
-        self.step_rows = step_rows
+        self.step_cost = step_cost
 
     def prefill(self, ids: list[int]) -> None:
         self.lm.prefill(ids)
@@ -241,7 +241,7 @@ class DraftModelTreeDrafter:
     def _dynamic(self, ids: list[int], depth: int, params: SamplingParams) -> DraftTree:
         tokens, parents, values = [ids[-1]], [-1], [1.0]
         frontier = [0]
-        floor = worth_floor(self.step_rows)
+        floor = worth_floor(self.step_cost)
         for _ in range(depth):
             grown = []
             for node, top in zip(frontier, self._top_candidates(ids, tokens, parents, frontier, params)):
@@ -259,7 +259,7 @@ class DraftModelTreeDrafter:
             if not frontier or (len(ranked) >= self.budget and ranked[self.budget - 1] >= values[frontier[0]]):
                 break
         tree = keep_best(self._tree(tokens, parents, None, False, tuple(values)), self.budget)
-        return tree if self.step_rows is None else keep_worthwhile(tree, self.step_rows)
+        return tree if self.step_cost is None else keep_worthwhile(tree, self.step_cost)
 
     def _tree(self, tokens: list[int], parents: list[int], rows: list | None, without_replacement: bool,
               values: tuple[float, ...] = ()) -> DraftTree:
@@ -314,16 +314,16 @@ def keep_best(tree: DraftTree, budget: int) -> DraftTree:
     return _cut(tree, _capped_values(tree), budget)
 
 
-def keep_worthwhile(tree: DraftTree, step_rows: float) -> DraftTree:
-    """The deterministic tree cut to the nodes worth verifying, when a step costs `step_rows` extra rows
-    of verification besides its tree nodes (drafting, the root's row, per-step overhead), each node one row:
-    its most valuable nodes, as many as worthwhile_count keeps (node values as acceptance probabilities).
+def keep_worthwhile(tree: DraftTree, cost: StepCost) -> DraftTree:
+    """The deterministic tree cut to the nodes worth verifying, when a step verifying n of them costs
+    cost(n): its most valuable nodes, as many as worthwhile_count keeps (node values as acceptance
+    probabilities).
     A node is worth no more than its parent, so the kept nodes are closed under ancestors. A tree without
     values, or whose every node is worth verifying, is returned as it is."""
     if not tree.values or len(tree) == 1:
         return tree
     values = _capped_values(tree)
-    kept = worthwhile_count(sorted(values[1:], reverse=True), step_rows)
+    kept = worthwhile_count(sorted(values[1:], reverse=True), cost)
     return tree if kept == len(tree) - 1 else _cut(tree, values, kept)
 
 
@@ -358,31 +358,28 @@ class LookupGraftedDrafter:
     than the head's tree costs a few extra nodes and pays where the answer copies its context for
     many tokens; a datastore chain is a guess from set phrases and is right for only a token or two.
 
-    With `step_rows`, the merged tree keeps the nodes worth verifying (keep_worthwhile): the head's
+    With `step_cost`, the merged tree keeps the nodes worth verifying (keep_worthwhile): the head's
     nodes are worth their cumulative draft probability, a chain's its measured acceptance for the
     length of the tail it matched (LOOKUP_ACCEPTANCE; STORE_ACCEPTANCE times STORE_BESIDE_A_TREE, as
     the head already drafts what the datastore would have got right). Where each verified node costs
     nearly a full row of arithmetic (a CPU), a chain that copies from a strong match keeps its depth
     while a weak one gives way (README, "Choosing the tree's nodes").
 
-    With `lookup_rows`, a step whose lookup chain is worth verifying on its own at that cost (as the
+    With `lookup_cost`, a step whose lookup chain is worth verifying on its own at that cost (as the
     `lookup` method would verify it) verifies that chain alone and skips the head: where drafting with the
     head costs about a row per pass (a CPU), its nodes beside a likely chain add less than they cost.
     """
 
     def __init__(self, base: TreeDrafter, name: str, store: Datastore | None = None,
-                 lookup_tokens: int | None = None, store_tokens: int | None = None, step_rows: float | None = None,
-                 lookup_rows: float | None = None):
-        for rows in (step_rows, lookup_rows):
-            if rows is not None and rows <= 0:
-                raise ValueError(f"step_rows and lookup_rows must be positive, got {rows}")
+                 lookup_tokens: int | None = None, store_tokens: int | None = None,
+                 step_cost: StepCost | None = None, lookup_cost: StepCost | None = None):
         self.base = base
         self.name = name
         self.store = store
         self.lookup_tokens = lookup_tokens
         self.store_tokens = store_tokens
-        self.step_rows = step_rows
-        self.lookup_rows = lookup_rows
+        self.step_cost = step_cost
+        self.lookup_cost = lookup_cost
 
     def prefill(self, ids: list[int]) -> None:
         self.base.prefill(ids)
@@ -395,7 +392,7 @@ class LookupGraftedDrafter:
     ) -> DraftTree:
         lookup_tokens = depth if self.lookup_tokens is None else self.lookup_tokens
         found, lookup_values = valued_lookup(ids, lookup_tokens)
-        alone = worthwhile_count(lookup_values, self.lookup_rows) if self.lookup_rows is not None else 0
+        alone = worthwhile_count(lookup_values, self.lookup_cost) if self.lookup_cost is not None else 0
         if alone:
             root = DraftTree(torch.tensor(ids[-1:]), (-1,), None, values=(1.0,))
             return graft_chain(root, found[:alone], PromptLookupDrafter.name, lookup_values[:alone])
@@ -406,15 +403,15 @@ class LookupGraftedDrafter:
         # in this order: a node two proposers share is credited to the head, then to prompt lookup
         store_tokens = depth if self.store_tokens is None else self.store_tokens
         chains = {PromptLookupDrafter.name: (found, lookup_values)}
-        # a node worth 1 / step_rows or less is never kept, so a store chain that cannot beat that is not looked up
-        if self.store is not None and STORE_BEST_BESIDE_A_TREE > worth_floor(self.step_rows):
+        # a node worth worth_floor or less is never kept, so a store chain that cannot beat that is not looked up
+        if self.store is not None and STORE_BEST_BESIDE_A_TREE > worth_floor(self.step_cost):
             found, matched = self.store.continuation_match(ids, store_tokens)
             values = [STORE_BESIDE_A_TREE * v for v in chain_acceptance(STORE_ACCEPTANCE, matched, len(found))]
             chains[DatastoreDrafter.name] = (found, values)
         for proposer, (chain, values) in chains.items():
             if chain:
                 tree = graft_chain(tree, chain, proposer, values)
-        return tree if self.step_rows is None else keep_worthwhile(tree, self.step_rows)
+        return tree if self.step_cost is None else keep_worthwhile(tree, self.step_cost)
 
 
 def tree_step(target: CachedModel, drafter: TreeDrafter, ids: list[int], depth: int,

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from engine.bench import BenchOptions, Prompt, load_prompts, markdown, run_bench, select_prompts
 from engine.cache import CachedModel
@@ -154,3 +155,18 @@ def test_verify_cost_compares_one_row_kernels_where_the_target_keeps_both():
             assert all(t > 0 for t in kernels)
             # timing both ways leaves the target as it was: single rows on stock kernels
             assert all(m.one_row_stock for m in engine.target.model.modules() if isinstance(m, PackedLinear))
+
+
+def test_setting_threads_measures_prompt_lookups_cost_again(engine):
+    """What a verified token costs depends on the thread count, so --threads times the forwards again."""
+    from engine.bench import set_threads
+
+    before = torch.get_num_threads()
+    measured = engine.lookup_cost
+    assert measured is not None and engine.drafter("lookup").step_cost is measured  # a CPU: measured at load
+    try:
+        set_threads(engine, [1, 2, 3], 1)
+        assert engine.lookup_cost is not measured and engine.drafter("lookup").step_cost is engine.lookup_cost
+        assert set_threads(engine, [1, 2, 3], None) is None and engine.drafter("lookup").step_cost is engine.lookup_cost
+    finally:
+        torch.set_num_threads(before)

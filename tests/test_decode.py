@@ -190,33 +190,65 @@ def test_lookup_finds_latest_longest_match():
 def test_lookup_with_a_cost_cut_drafts_only_the_tokens_worth_verifying():
     from itertools import accumulate
 
-    from engine.drafters import worthwhile_count
+    from engine.drafters import StepCost, worth_floor, worthwhile_count
     from engine.drafters.lookup import LOOKUP_ACCEPTANCE, PromptLookupDrafter
 
-    # against brute force over every prefix of a non-increasing chain of values
+    # against brute force over every prefix of a non-increasing chain of values, for linear costs and for
+    # random convex ones (flat stretches included, as measured forwards have)
     generator = torch.Generator().manual_seed(0)
     for _ in range(200):
         values = sorted(torch.rand(int(torch.randint(0, 8, (1,), generator=generator)), generator=generator).tolist(),
                         reverse=True)
-        for step_rows in (0.7, 2.5, 6.0):
-            ratios = [(1 + total) / (step_rows + n) for n, total in enumerate([0.0, *accumulate(values)])]
-            assert ratios[worthwhile_count(values, step_rows)] == pytest.approx(max(ratios), rel=1e-12)
+        steps = sorted((torch.rand(4, generator=generator) * (torch.rand(4, generator=generator) > 0.3)).tolist())
+        convex = StepCost(tuple(accumulate([float(torch.rand(1, generator=generator)) + 0.1, *steps])))
+        for cost in (StepCost.linear(0.7), StepCost.linear(2.5), StepCost.linear(6.0), convex):
+            ratios = [(1 + total) / cost(n) for n, total in enumerate([0.0, *accumulate(values)])]
+            kept = worthwhile_count(values, cost)
+            assert ratios[kept] == pytest.approx(max(ratios), rel=1e-12), (values, cost)
+            assert all(v > worth_floor(cost) for v in values[:kept])  # nothing at or below the floor
     params = SamplingParams()
     strong = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]  # the tail 1 2 3 matches 3 tokens
     weak = [5, 9, 8, 7, 6, 4, 5]  # the tail 5 matches 1 token
     uncut = PromptLookupDrafter()
     assert uncut.propose(strong, 6, params, None).tokens.tolist() == [4, 5, 6, 7, 8, 9]
     assert uncut.propose(weak, 3, params, None).tokens.tolist() == [9, 8, 7]
-    cut = PromptLookupDrafter(step_rows=2.5)
+    cut = PromptLookupDrafter(step_cost=StepCost.linear(2.5))
     # a 3-token match's chain is worth 0.86 0.75 0.68 0.55 0.50 0.48: at 2.5 rows a step the fourth does
     # not pay (0.55 < 3.29 / 5.5), at 8 rows all six do (the last: 0.48 > 4.34 / 13)
     assert cut.propose(strong, 6, params, None).tokens.tolist() == [4, 5, 6]
-    assert PromptLookupDrafter(step_rows=8.0).propose(strong, 6, params, None).tokens.tolist() == [4, 5, 6, 7, 8, 9]
+    assert PromptLookupDrafter(step_cost=StepCost.linear(8.0)).propose(strong, 6, params, None).tokens.tolist() == [
+        4, 5, 6, 7, 8, 9]
     assert LOOKUP_ACCEPTANCE[1][0] <= 1 / 2.5  # so a 1-token match's first token (0.25) never pays
     assert cut.propose(weak, 3, params, None).tokens.tolist() == []
-    assert PromptLookupDrafter(step_rows=1.0).propose(strong, 6, params, None).tokens.tolist() == []  # 0.86 < 1 / 1
+    assert PromptLookupDrafter(step_cost=StepCost.linear(1.0)).propose(strong, 6, params, None).tokens.tolist() == []
+    # a flat cost (the first verified tokens free, as where a one-token forward waits on memory) keeps them all
+    flat = StepCost((1.0, 1.0, 1.0, 1.0, 1.1))  # three tokens free, then a tenth of the step each
+    assert PromptLookupDrafter(step_cost=flat).propose(weak, 3, params, None).tokens.tolist() == [9, 8, 7]
+    assert PromptLookupDrafter(step_cost=flat).propose(strong, 6, params, None).tokens.tolist() == [4, 5, 6, 7, 8, 9]
+    steep = StepCost((1.0, 1.0, 1.0, 1.0, 2.0))  # the same free tokens, then a whole step each
+    assert PromptLookupDrafter(step_cost=steep).propose(strong, 6, params, None).tokens.tolist() == [4, 5, 6]
+
+
+def test_step_costs_from_measured_forwards_are_rising_and_convex():
+    """Timed forwards are noisy: StepCost.measured takes the running maximum, then its lower convex hull,
+    which keeps the measured points it can and lies at or under the others; costs that fall or bend the
+    wrong way are refused outright."""
+    from engine.drafters import StepCost
+
+    seconds = [6.2, 6.5, 5.9, 6.4, 7.0, 8.0, 8.5, 9.4, 10.3]  # ms: a CPU's forwards of 1 .. 9 tokens
+    cost = StepCost.measured(seconds)
+    assert len(cost.costs) == len(seconds) and cost(0) == 6.2 and cost(8) == 10.3
+    steps = [b - a for a, b in zip(cost.costs, cost.costs[1:])]
+    assert all(d >= 0 for d in steps) and all(e >= d - 1e-9 for d, e in zip(steps, steps[1:]))
+    rising = [max(seconds[: n + 1]) for n in range(len(seconds))]
+    assert all(c <= r + 1e-9 for c, r in zip(cost.costs, rising))
+    assert cost(10) == pytest.approx(10.3 + 2 * (10.3 - 9.4))  # past the end, the last step continues
+    assert StepCost.linear(4.0)(6) == 10.0
+    for bad in ((0.0, 1.0), (2.0, 1.0), (1.0, 2.0, 2.5), (1.0,)):
+        with pytest.raises(ValueError):
+            StepCost(bad)
     with pytest.raises(ValueError):
-        PromptLookupDrafter(step_rows=0.0)
+        StepCost.linear(0.0)
 
 
 def test_incremental_detokenizer_matches_full_decode():

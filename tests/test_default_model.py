@@ -113,7 +113,9 @@ def test_every_method_greedy_equals_plain_decoding_with_one_row_stock_kernels(bl
 
 
 def test_head_methods_use_the_device_tree_budget(engine):
-    from engine.session import CPU_STEP_ROWS, LOOKUP_CPU_STEP_ROWS, EngineError, eagle_top_k, step_rows, tree_budget
+    from engine.drafters import StepCost
+    from engine.session import (CPU_STEP_ROWS, LOOKUP_COST_TOKENS, EngineError, eagle_top_k, head_step_cost,
+                                tree_budget)
 
     assert tree_budget(torch.device("cpu")) == 4 and tree_budget(torch.device("cuda")) == 32
     assert tree_budget(torch.device("cpu"), 16) == 16
@@ -121,18 +123,26 @@ def test_head_methods_use_the_device_tree_budget(engine):
         tree_budget(torch.device("cpu"), 0)
     assert [eagle_top_k(b) for b in (4, 8, 16, 32)] == [2, 4, 4, 8]
     # the EAGLE trees: cut to the nodes worth verifying on a CPU unless a budget is asked, whole on a GPU
-    assert CPU_STEP_ROWS == 4.0 and step_rows(torch.device("cpu")) == 4.0
-    assert step_rows(torch.device("cpu"), 16) is None
-    assert step_rows(torch.device("cuda")) is None and step_rows(torch.device("cuda"), 16) is None
+    assert CPU_STEP_ROWS == 4.0 and head_step_cost(torch.device("cpu")) == StepCost.linear(4.0)
+    assert head_step_cost(torch.device("cpu"), 16) is None
+    assert head_step_cost(torch.device("cuda")) is None and head_step_cost(torch.device("cuda"), 16) is None
     assert engine.target.device.type == "cpu"
     eagle = engine.drafter("eagle")
     assert (eagle.budget, eagle.top_k) == (4, 2)
     assert engine.drafter("eagle_lookup").base is eagle  # one EAGLE drafter, with or without lookup
-    assert eagle.step_rows == engine.drafter("eagle_lookup").step_rows == CPU_STEP_ROWS  # the trees cut on a CPU
-    assert engine.drafter("medusa").step_rows == CPU_STEP_ROWS
-    assert engine.drafter("lookup").step_rows == LOOKUP_CPU_STEP_ROWS == 2.5  # its chain cut too
-    assert engine.drafter("eagle_lookup").lookup_rows == LOOKUP_CPU_STEP_ROWS  # a likely chain is verified alone
-    assert engine.drafter("eagle_chain").step_rows is None  # a static chain has no values to cut by
+    linear = StepCost.linear(CPU_STEP_ROWS)
+    assert eagle.step_cost == engine.drafter("eagle_lookup").step_cost == linear  # the trees cut on a CPU
+    assert engine.drafter("medusa").step_cost == linear
+    # prompt lookup's chain is cut by the target's forwards as timed at load, and eagle_lookup verifies a
+    # chain worth verifying at that cost alone
+    lookup_cost = engine.drafter("lookup").step_cost
+    assert len(lookup_cost.costs) == LOOKUP_COST_TOKENS and lookup_cost is engine.lookup_cost
+    assert engine.drafter("eagle_lookup").lookup_cost is lookup_cost
+    assert 1e-4 < lookup_cost(0) < 1.0 and lookup_cost(8) > lookup_cost(0)  # seconds; 9 tokens cost more than 1
+    engine.remeasure_lookup_cost()  # as after a change of threads: measured again, for both
+    assert engine.drafter("lookup").step_cost is engine.drafter("eagle_lookup").lookup_cost is engine.lookup_cost
+    assert engine.lookup_cost is not lookup_cost
+    assert engine.drafter("eagle_chain").step_cost is None  # a static chain has no values to cut by
     assert len(engine.drafter("medusa").shape.parents) == 1 + 4  # a sparse tree of 4 nodes below the root
     # the shipped heads draft from the 8192 most frequent answer tokens: a sixth of the LM head per step
     hidden = torch.zeros(1, engine.target.model.config.hidden_size)

@@ -13,6 +13,7 @@ import engine.decode as decode
 import engine.verify
 from engine.cache import CachedModel
 from engine.decode import GenerationConfig, generate
+from engine.drafters import StepCost
 from engine.drafters.datastore import Datastore
 from engine.drafters.draft_model import DraftModelDrafter
 from engine.events import Summary
@@ -81,14 +82,16 @@ def test_adaptive_k_generation_is_exact(models):
 def test_lookup_grafted_tree_generation_is_exact(models, with_store, step_rows, lookup_rows):
     """Prompt lookup's chain (and a datastore's) grafted into a dynamic draft tree (what eagle_lookup
     does), verified at temperature > 0: the small vocabulary makes lookup find matches in most
-    steps, so grafted branches are verified often. step_rows cuts the head's tree and the merged tree
-    to the nodes worth verifying, and lookup_rows verifies a likely lookup chain alone, as eagle_lookup
-    does on a CPU."""
+    steps, so grafted branches are verified often. A step cost of step_rows rows cuts the head's tree and
+    the merged tree to the nodes worth verifying, and one of lookup_rows verifies a likely lookup chain
+    alone, as eagle_lookup does on a CPU."""
+    step_cost = None if step_rows is None else StepCost.linear(step_rows)
+    lookup_cost = None if lookup_rows is None else StepCost.linear(lookup_rows)
     store = Datastore.build(torch.randint(VOCAB, (20, 12), generator=torch.Generator().manual_seed(5)).tolist())
-    base = DraftModelTreeDrafter(CachedModel(models[1]), None, top_k=2, budget=4, step_rows=step_rows)
+    base = DraftModelTreeDrafter(CachedModel(models[1]), None, top_k=2, budget=4, step_cost=step_cost)
     # with the store, chains of their own lengths (as shipped): lookup past the draft depth, the store's shorter
-    drafter = (LookupGraftedDrafter(base, "tree_lookup", store, lookup_tokens=6, store_tokens=2, step_rows=step_rows,
-                                    lookup_rows=lookup_rows)
+    drafter = (LookupGraftedDrafter(base, "tree_lookup", store, lookup_tokens=6, store_tokens=2, step_cost=step_cost,
+                                    lookup_cost=lookup_cost)
                if with_store else LookupGraftedDrafter(base, "tree_lookup"))
     config = GenerationConfig(method="tree_lookup", k=3, max_new_tokens=N_TOKENS, sampling=PARAMS)
     counts = sampled_counts(models, config, trials=3000, drafter=drafter)

@@ -3,6 +3,7 @@ import torch
 
 from engine.cache import AppendLayer, CachedModel
 from engine.decode import GenerationConfig, generate
+from engine.drafters import StepCost
 from engine.drafters.eagle import EagleDrafter, EagleHead
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads
 from engine.events import Summary, TokenEvent
@@ -50,7 +51,7 @@ def test_medusa_greedy_equality(target_model, k):
 
 
 def test_medusa_tree_values_are_head_probabilities_and_the_cut_stays_exact(target_model):
-    """A node is worth the product of its heads' probabilities along its path; with step_rows the tree is
+    """A node is worth the product of its heads' probabilities along its path; with a step cost the tree is
     keep_worthwhile of the whole shape, and greedy decoding still equals plain decoding."""
     n, shape = 40, TreeShape.from_paths(PATHS)
     target = CachedModel(target_model)
@@ -66,9 +67,9 @@ def test_medusa_tree_values_are_head_probabilities_and_the_cut_stays_exact(targe
     for node in range(1, len(shape.parents)):
         parent = shape.parents[node]
         assert tree.values[node] == pytest.approx(tree.values[parent] * float(probs[depths[node] - 1, tree.tokens[node]]))
-    cut_drafter = MedusaDrafter(heads, target, shape, step_rows=4.0)
+    cut_drafter = MedusaDrafter(heads, target, shape, step_cost=StepCost.linear(4.0))
     cut = cut_drafter.propose_tree(ids, 4, SamplingParams(), None)
-    want = keep_worthwhile(tree, 4.0)
+    want = keep_worthwhile(tree, StepCost.linear(4.0))
     assert cut.tokens.tolist() == want.tokens.tolist() and cut.parents == want.parents
     reference = hf_greedy(target_model, _prompt_ids(), n)
     target = CachedModel(target_model)
@@ -80,7 +81,7 @@ def test_medusa_tree_values_are_head_probabilities_and_the_cut_stays_exact(targe
             sizes.append(len(tree) - 1)
             return tree
 
-    _, summary = _run(target, Counting(heads, target, shape, step_rows=20.0),
+    _, summary = _run(target, Counting(heads, target, shape, step_cost=StepCost.linear(20.0)),
                       GenerationConfig(method="medusa", k=4, max_new_tokens=n))
     assert list(summary.token_ids) == reference
     assert any(0 < size < len(PATHS) for size in sizes)  # trees cut, but not to nothing
@@ -221,15 +222,16 @@ def test_eagle_features_follow_the_committed_tokens(target_model):
 
 
 def test_eagle_lookup_skipping_the_head_keeps_greedy_equality_and_costs_no_extra_target_pass(target_model):
-    """With lookup_rows, steps whose lookup chain is worth verifying alone never ask the EAGLE head; its
+    """With a lookup cost, steps whose lookup chain is worth verifying alone never ask the EAGLE head; its
     features still follow every committed token from the verifying forwards, so after the prompt the target
     runs only the one verify pass per step, and the head's later trees see the right features."""
     n = 60
     prompt = tiny_tokenizer()("the cat sat on the mat. the cat sat on the mat. the cat")["input_ids"]
     reference = hf_greedy(target_model, prompt, n)
     target = CachedModel(target_model)
-    head = EagleDrafter(_random_eagle(target_model), target, None, top_k=2, budget=6, step_rows=4.0)
-    drafter = LookupGraftedDrafter(head, "eagle_lookup", lookup_tokens=8, step_rows=4.0, lookup_rows=2.5)
+    head = EagleDrafter(_random_eagle(target_model), target, None, top_k=2, budget=6, step_cost=StepCost.linear(4.0))
+    drafter = LookupGraftedDrafter(head, "eagle_lookup", lookup_tokens=8, step_cost=StepCost.linear(4.0),
+                                   lookup_cost=StepCost.linear(2.5))
     passes, trees = [], []
     forward, forward_tree, propose = target.forward, target.forward_tree, head.propose_tree
     target.forward = lambda *a, **k: passes.append("forward") or forward(*a, **k)

@@ -6,7 +6,7 @@ import torch
 import engine.verify
 from engine.cache import TREE_SLOT, CachedModel
 from engine.decode import GenerationConfig, generate
-from engine.drafters import worth_floor
+from engine.drafters import StepCost, worth_floor
 from engine.drafters.datastore import STORE_ACCEPTANCE, STORE_BESIDE_A_TREE, Datastore
 from engine.drafters.lookup import chain_acceptance, lookup_match
 from engine.events import StepEvent, Summary, TokenEvent
@@ -167,8 +167,9 @@ def _ancestor_closed_subsets(parents):
 
 
 def test_keep_worthwhile_keeps_the_nodes_that_maximise_tokens_per_cost():
-    """Against brute force: E / T = (1 + sum of kept values) / (step_rows + kept nodes) is the best any
-    ancestor-closed subset reaches, with each node worth no more than its parent."""
+    """Against brute force: E / T = (1 + sum of kept values) / cost(kept nodes) is the best any
+    ancestor-closed subset reaches, with each node worth no more than its parent: for linear costs (rows
+    besides the nodes) and convex ones with flat stretches (measured forwards)."""
     generator = torch.Generator().manual_seed(0)
     cut_some = 0
     for trial in range(300):
@@ -179,19 +180,19 @@ def test_keep_worthwhile_keeps_the_nodes_that_maximise_tokens_per_cost():
         capped = list(raw)
         for node in range(1, n):
             capped[node] = min(capped[node], capped[parents[node]])
-        for step_rows in (0.5, 1.5, 3.0, 8.0):
-            best = max((1 + sum(capped[i] for i in kept)) / (step_rows + len(kept))
-                       for kept in _ancestor_closed_subsets(parents))
-            cut = keep_worthwhile(tree, step_rows)
+        flat = StepCost((1.0, 1.0, 1.0, 1.2, 1.6, 2.4))
+        for cost in (StepCost.linear(0.5), StepCost.linear(1.5), StepCost.linear(3.0), StepCost.linear(8.0), flat):
+            best = max((1 + sum(capped[i] for i in kept)) / cost(len(kept)) for kept in _ancestor_closed_subsets(parents))
+            cut = keep_worthwhile(tree, cost)
             kept = cut.tokens[1:].tolist()  # token i is node i
-            got = (1 + sum(capped[i] for i in kept)) / (step_rows + len(kept))
-            assert got == pytest.approx(best, rel=1e-12), (parents, raw, step_rows)
-            assert all(capped[i] > worth_floor(step_rows) for i in kept)  # nothing at or below the floor
+            got = (1 + sum(capped[i] for i in kept)) / cost(len(kept))
+            assert got == pytest.approx(best, rel=1e-12), (parents, raw, cost)
+            assert all(capped[i] > worth_floor(cost) for i in kept)  # nothing at or below the floor
             assert cut.parents[0] == -1 and all(p < i for i, p in enumerate(cut.parents) if i)
             cut_some += 1 < len(cut) < n
     assert cut_some > 100  # most cuts are partial, so the optimum is tested between the extremes
     unranked = DraftTree(torch.arange(3), (-1, 0, 1), None)
-    assert keep_worthwhile(unranked, 1.0) is unranked and worth_floor(None) == 0.0
+    assert keep_worthwhile(unranked, StepCost.linear(1.0)) is unranked and worth_floor(None) == 0.0
 
 
 class _UnlikelyHead:  # a deterministic dynamic tree of four unlikely nodes below the root
@@ -207,7 +208,7 @@ def test_lookup_grafted_drafter_keeps_the_merged_nodes_worth_verifying():
     full = LookupGraftedDrafter(_UnlikelyHead(), "grafted", lookup_tokens=6).propose_tree(ids, 4, SamplingParams(), None)
     assert len(full) == 11
     def cut(step_rows):
-        drafter = LookupGraftedDrafter(_UnlikelyHead(), "grafted", lookup_tokens=6, step_rows=step_rows)
+        drafter = LookupGraftedDrafter(_UnlikelyHead(), "grafted", lookup_tokens=6, step_cost=StepCost.linear(step_rows))
         return drafter.propose_tree(ids, 4, SamplingParams(), None)
     # chain values 0.86 0.75 0.68 0.55 0.50 0.48 (LOOKUP_ACCEPTANCE[3]); at 4 rows a step the sixth
     # (0.48) no longer pays: E / T after five nodes is 4.34 / 9 = 0.482
@@ -216,8 +217,6 @@ def test_lookup_grafted_drafter_keeps_the_merged_nodes_worth_verifying():
     widest = cut(20.0)  # the head's best node (0.2 > 4.82 / 26), not its second (0.1 < 5.02 / 27)
     assert widest.tokens.tolist() == [3, 30, 4, 5, 6, 1, 2, 3] and widest.parents == (-1, 0, 0, 2, 3, 4, 5, 6)
     assert widest.proposers == ("", "head", *["lookup"] * 6)
-    with pytest.raises(ValueError):
-        LookupGraftedDrafter(_UnlikelyHead(), "grafted", step_rows=0)
 
 
 class _CountingHead(_UnlikelyHead):
@@ -230,10 +229,11 @@ class _CountingHead(_UnlikelyHead):
 
 
 def test_lookup_grafted_drafter_skips_the_head_where_lookup_alone_is_worth_verifying():
-    """With lookup_rows, a lookup chain worth verifying on its own at that cost (worthwhile_count over
+    """With a lookup cost, a lookup chain worth verifying on its own at that cost (worthwhile_count over
     LOOKUP_ACCEPTANCE, as the lookup method cuts it) is verified alone, without asking the head."""
     head = _CountingHead()
-    drafter = LookupGraftedDrafter(head, "grafted", lookup_tokens=6, step_rows=4.0, lookup_rows=2.5)
+    drafter = LookupGraftedDrafter(head, "grafted", lookup_tokens=6, step_cost=StepCost.linear(4.0),
+                                   lookup_cost=StepCost.linear(2.5))
     strong = [1, 2, 3, 4, 5, 6, 1, 2, 3]  # 3 tokens matched: 0.86 0.75 0.68 0.55 0.50 0.48
     tree = drafter.propose_tree(strong, 4, SamplingParams(), None)
     assert head.asked == 0
@@ -243,18 +243,16 @@ def test_lookup_grafted_drafter_skips_the_head_where_lookup_alone_is_worth_verif
     assert tree.values == (1.0, 0.86, 0.75, 0.68)
     two = [7, 8, 1, 2, 9, 5, 1, 2]  # the tail 1 2 matched 2 tokens: 0.53 > 1 / 2.5, worth it alone
     assert drafter.propose_tree(two, 4, SamplingParams(), None).tokens.tolist() == [2, 9] and head.asked == 0
-    without = LookupGraftedDrafter(head, "grafted", lookup_tokens=6, step_rows=4.0)  # no lookup_rows: always asked
+    without = LookupGraftedDrafter(head, "grafted", lookup_tokens=6, step_cost=StepCost.linear(4.0))  # always asked
     assert without.propose_tree(strong, 4, SamplingParams(), None).tokens.tolist() == [3, 4, 5, 6, 1, 2]
     assert head.asked == 1
     weak = [7, 1, 9, 5, 1]  # 1 token matched: 0.25 < 1 / 2.5, so the head is asked and its tree merged as before
     for step_rows in (4.0, 20.0):
-        drafter.step_rows = without.step_rows = step_rows
+        drafter.step_cost = without.step_cost = StepCost.linear(step_rows)
         merged, want = (d.propose_tree(weak, 4, SamplingParams(), None) for d in (drafter, without))
         assert (merged.tokens.tolist(), merged.parents, merged.proposers) == (want.tokens.tolist(), want.parents,
                                                                            want.proposers)
     assert head.asked == 5 and "head" in merged.proposers
-    with pytest.raises(ValueError):
-        LookupGraftedDrafter(head, "grafted", lookup_rows=0)
 
 
 def test_a_datastore_chain_beside_a_tree_is_worth_a_share_of_its_table():
@@ -277,7 +275,8 @@ def test_a_store_chain_that_no_cut_could_keep_is_not_looked_up():
     lookup = store.continuation_match
     store.continuation_match = lambda *a: asked.append(a) or lookup(*a)
     for step_rows, looked_up in ((0.9 / best, False), (3.0 / best, True)):
-        drafter = LookupGraftedDrafter(_UnlikelyHead(), "grafted", store, store_tokens=2, step_rows=step_rows)
+        drafter = LookupGraftedDrafter(_UnlikelyHead(), "grafted", store, store_tokens=2,
+                                       step_cost=StepCost.linear(step_rows))
         tree = drafter.propose_tree(ids, 4, SamplingParams(), None)
         assert bool(asked) == looked_up
         drafter.store = None
@@ -371,16 +370,16 @@ def test_dynamic_tree_stops_drafting_only_when_deeper_levels_cannot_be_kept():
 
 
 def test_dynamic_tree_with_a_cost_cut_skips_only_levels_the_cut_would_drop():
-    """With step_rows, drafting stops below nodes at or under worth_floor, and the tree is exactly the
+    """With a step cost, drafting stops below nodes at or under worth_floor, and the tree is exactly the
     uncut drafter's tree cut by keep_worthwhile."""
     shortened = 0
     for seed in range(60):
         for top_k, budget, step_rows in ((2, 4, 2.0), (3, 6, 4.0), (4, 8, 8.0)):
             drafter = _HashedDrafter(top_k, budget, seed)
-            drafter.step_rows = step_rows
+            drafter.step_cost = StepCost.linear(step_rows)
             tree = drafter.propose_tree([1, 2, 3], 6, SamplingParams(), None)
             uncut = _HashedDrafter(top_k, budget, seed)
-            want = keep_worthwhile(uncut.propose_tree([1, 2, 3], 6, SamplingParams(), None), step_rows)
+            want = keep_worthwhile(uncut.propose_tree([1, 2, 3], 6, SamplingParams(), None), drafter.step_cost)
             assert tree.tokens.tolist() == want.tokens.tolist() and tree.parents == want.parents
             shortened += drafter.rounds < uncut.rounds
     assert shortened > 20  # the floor saves drafting rounds, so the equality above tests it

@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 from engine.attention import grouped_query_attention
 from engine.cache import AppendLayer, CachedModel, common_prefix
 from engine.cpu_kernels import drafter_module
-from engine.drafters import draft_vocab_rows, full_vocab_logits
+from engine.drafters import StepCost, draft_vocab_rows, full_vocab_logits
 from engine.lean_forward import decoder_layers_fit, decoder_weights
 from engine.sampling import SamplingParams, process_logits
 from engine.tree import DraftModelTreeDrafter, DraftTree, TreeShape, ancestor_path, node_depths, tree_attention
@@ -159,8 +159,8 @@ class EagleDrafter(DraftModelTreeDrafter):
     """
 
     def __init__(self, head: EagleHead, target: CachedModel, shape: TreeShape | None = None,
-                 top_k: int = 4, budget: int = 16, name: str = "eagle", step_rows: float | None = None):
-        super().__init__(target, shape, top_k=top_k, budget=budget, name=name, step_rows=step_rows)
+                 top_k: int = 4, budget: int = 16, name: str = "eagle", step_cost: StepCost | None = None):
+        super().__init__(target, shape, top_k=top_k, budget=budget, name=name, step_cost=step_cost)
         self.head = drafter_module(head, target.model)
         self.target = target
         self.features: torch.Tensor | None = None  # [n, H] target features of positions 0..n-1

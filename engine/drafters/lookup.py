@@ -4,32 +4,30 @@ from __future__ import annotations
 
 import torch
 
-from engine.drafters import Draft, StatelessDrafter, worthwhile_count
+from engine.drafters import Draft, StatelessDrafter, StepCost, worthwhile_count
 from engine.sampling import SamplingParams
 
 
 class PromptLookupDrafter(StatelessDrafter):
-    """With `step_rows`, the chain is cut to the tokens worth verifying (worthwhile_count), each valued at
+    """With `step_cost`, the chain is cut to the tokens worth verifying (worthwhile_count), each valued at
     LOOKUP_ACCEPTANCE for the length of the tail it matched: K becomes a maximum, a strong match drafts
     deep and a weak one little or nothing."""
 
     name = "lookup"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, step_rows: float | None = None):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, step_cost: StepCost | None = None):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
-        if step_rows is not None and step_rows <= 0:
-            raise ValueError(f"step_rows must be positive, got {step_rows}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
-        self.step_rows = step_rows
+        self.step_cost = step_cost
 
     def propose(
         self, ids: list[int], k: int, params: SamplingParams, generator: torch.Generator | None
     ) -> Draft:
         tokens, values = valued_lookup(ids, k, self.max_ngram, self.min_ngram)
-        if self.step_rows is not None:
-            tokens = tokens[: worthwhile_count(values, self.step_rows)]
+        if self.step_cost is not None:
+            tokens = tokens[: worthwhile_count(values, self.step_cost)]
         return Draft(tokens=torch.tensor(tokens, dtype=torch.long), probs=None)
 
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from engine.cache import CachedModel
 from engine.cpu_kernels import drafter_module, drafting_dtype
-from engine.drafters import StatelessDrafter, draft_vocab_rows, full_vocab_logits
+from engine.drafters import StatelessDrafter, StepCost, draft_vocab_rows, full_vocab_logits
 from engine.sampling import SamplingParams, process_logits
 from engine.tree import DraftTree, TreeShape, keep_worthwhile, node_depths
 
@@ -132,12 +132,12 @@ class MedusaDrafter(StatelessDrafter):
 
     Reads the target's final hidden state at the last cached position (the target CachedModel is
     switched to keep_hidden); with none available it proposes the root alone (a plain step). A node is
-    worth the product of its heads' probabilities along its path; with `step_rows` the tree keeps only
+    worth the product of its heads' probabilities along its path; with `step_cost` the tree keeps only
     the nodes worth verifying (keep_worthwhile).
     """
 
     def __init__(self, heads: MedusaHeads, target: CachedModel, shape: TreeShape, name: str = "medusa",
-                 step_rows: float | None = None):
+                 step_cost: StepCost | None = None):
         self.dtype = drafting_dtype(target.model)
         self.heads = drafter_module(heads, target.model)
         self.lm_head = None  # the heads' own projections, or (shared) the target's LM head in drafting precision
@@ -147,7 +147,7 @@ class MedusaDrafter(StatelessDrafter):
         self.target = target
         self.shape = shape
         self.name = name
-        self.step_rows = step_rows
+        self.step_cost = step_cost
         target.keep_hidden = True
 
     @torch.inference_mode()
@@ -171,4 +171,4 @@ class MedusaDrafter(StatelessDrafter):
             tokens.append(candidates[head][rank])
             values.append(values[shape.parents[node]] * probs[head][rank])
         tree = DraftTree(torch.tensor(tokens, device=self.target.device), shape.parents, None, values=tuple(values))
-        return tree if self.step_rows is None else keep_worthwhile(tree, self.step_rows)
+        return tree if self.step_cost is None else keep_worthwhile(tree, self.step_cost)

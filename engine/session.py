@@ -226,6 +226,11 @@ CPU_STEP_ROWS = 4.0
 # 1.28-1.29x against 1.29-1.30x). A head's trees keep CPU_STEP_ROWS: a curve of forwards alone misses
 # what drafting them costs, and kept too many nodes there (1.11-1.13x against 1.21-1.24x).
 LOOKUP_COST_TOKENS = 9  # chains of up to 8 tokens are timed; longer ones extrapolate the curve
+# A target whose one-token forward takes longer than this (a model many times the default's size) would
+# take seconds to time: its chain is cut at the fixed LOOKUP_CPU_STEP_ROWS rows besides it instead, the
+# constant the measured cost replaced (such a forward waits on memory, where extra tokens come cheap).
+LOOKUP_TIMING_LIMIT_S = 0.05
+LOOKUP_CPU_STEP_ROWS = 2.5
 
 
 def head_step_cost(device: torch.device, asked_budget: int | None = None) -> StepCost | None:
@@ -237,13 +242,17 @@ def head_step_cost(device: torch.device, asked_budget: int | None = None) -> Ste
 def measure_lookup_cost(target: CachedModel, rounds: int = 3) -> StepCost | None:
     """Prompt lookup's step cost on a CPU (None elsewhere: a GPU verifies a chain at about the cost of one
     token): the target's forward over n + 1 tokens for a chain of n, timed now over a context of 64
-    tokens (medians of `rounds`), made rising and convex (StepCost.measured). The target's cache is left
-    empty."""
+    tokens (medians of `rounds`), made rising and convex (StepCost.measured); for a target too slow to
+    time quickly, LOOKUP_CPU_STEP_ROWS rows besides the chain. The target's cache is left empty."""
     if target.device.type != "cpu":
         return None
     context = [1 + i % max(target.n_vocab - 1, 1) for i in range(64)]
-    seconds = target.time_forwards(context, range(1, LOOKUP_COST_TOKENS + 1), rounds)
-    target.reset()
+    try:
+        if target.time_forwards(context[:2], (1,), rounds=1)[1] > LOOKUP_TIMING_LIMIT_S:
+            return StepCost.linear(LOOKUP_CPU_STEP_ROWS)
+        seconds = target.time_forwards(context, range(1, LOOKUP_COST_TOKENS + 1), rounds)
+    finally:
+        target.reset()
     return StepCost.measured([seconds[t] for t in range(1, LOOKUP_COST_TOKENS + 1)])
 
 

@@ -170,3 +170,15 @@ def test_setting_threads_measures_prompt_lookups_cost_again(engine):
         assert set_threads(engine, [1, 2, 3], None) is None and engine.drafter("lookup").step_cost is engine.lookup_cost
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_target_too_slow_to_time_quickly_gets_the_fixed_lookup_cost(monkeypatch):
+    from engine import session
+    from engine.drafters import StepCost
+
+    target = CachedModel(tiny_llama(seed=0))
+    measured = session.measure_lookup_cost(target)
+    assert len(measured.costs) == session.LOOKUP_COST_TOKENS and target.cached_ids == []  # timed, cache left empty
+    monkeypatch.setattr(session, "LOOKUP_TIMING_LIMIT_S", 0.0)  # any forward is too slow now
+    assert session.measure_lookup_cost(target) == StepCost.linear(session.LOOKUP_CPU_STEP_ROWS)
+    assert target.cached_ids == []

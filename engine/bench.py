@@ -278,13 +278,12 @@ def verify_cost_markdown(engine, costs: dict[int, float], context: int) -> str:
 def set_threads(engine, ids: list[int], threads: int | str | None) -> dict[int, float] | None:
     """Apply BenchOptions.threads: a number, "auto" (measured on ids, see pick_threads; returns the
     rates) or None (torch's choice)."""
-    if threads == "auto":
-        rates = pick_threads(engine, ids[:128])
-    elif isinstance(threads, int):
+    rates = pick_threads(engine, ids[:128]) if threads == "auto" else None
+    if isinstance(threads, int):
         torch.set_num_threads(threads)
     if threads is not None:
         engine.remeasure_lookup_cost()  # what a verified token costs depends on the threads
-    return rates if threads == "auto" else None
+    return rates
 
 
 def run_method(engine, method: str, ids: list[int], options: BenchOptions, seed: int, max_new: int) -> Run:

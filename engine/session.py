@@ -104,7 +104,8 @@ class Engine:
             if not is_datastore(config):
                 self._drafters.update(
                     _head_drafters(folder, config, self.target_lm, tree_budget(target.device, budget), store,
-                                   head_step_cost(target.device, budget), self.lookup_cost if budget is None else None))
+                                   head_step_cost(target.device, budget),
+                                   self.lookup_cost if budget is None else None))
         self.eos_ids = _eos_ids(target)
 
     def remeasure_lookup_cost(self) -> None:

@@ -68,7 +68,8 @@ class StepCost:
     def __post_init__(self) -> None:
         c = self.costs
         steps = [b - a for a, b in zip(c, c[1:])]
-        if len(c) < 2 or c[0] <= 0 or any(d < 0 for d in steps) or any(e < d - 1e-12 * c[-1] for d, e in zip(steps, steps[1:])):
+        convex = all(e >= d - 1e-12 * c[-1] for d, e in zip(steps, steps[1:]))  # rounding in StepCost.measured
+        if len(c) < 2 or c[0] <= 0 or any(d < 0 for d in steps) or not convex:
             raise ValueError(f"a step cost needs 2 or more positive, non-decreasing, convex costs, got {c}")
 
     @classmethod

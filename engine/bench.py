@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import is_native_attention
+from engine.cache import sync
 from engine.cpu_kernels import PackedLinear, is_packed, native_kernel_of, one_token_seconds
 from engine.decode import GenerationConfig
 from engine.events import StepEvent, Summary
@@ -210,22 +211,17 @@ def run_hf(engine, method: str, ids: list[int], options: BenchOptions, seed: int
         # prompt[:-1] that ours excludes is timed right before and subtracted.
         prefill_s = 0.0
         if len(ids) > 1:
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             model(input_ids=input_ids[:, :-1], cache=DynamicCache(config=model.config), use_cache=True)
-            _sync(device)
+            sync(device)
             prefill_s = time.perf_counter() - start
         torch.manual_seed(seed)
         start = time.perf_counter()
         out = model.generate(input_ids, generation_config=config, **assistant)
-        _sync(device)
+        sync(device)
         seconds = max(time.perf_counter() - start - prefill_s, 1e-9)
     return Run(method, -1, "", tuple(out[0, len(ids):].tolist()), seconds, None)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def pick_threads(engine, ids: list[int], steps: int = 6) -> dict[int, float]:

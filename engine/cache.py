@@ -75,6 +75,12 @@ def new_cache(config) -> DynamicCache:
     return cache
 
 
+def sync(device: torch.device) -> None:
+    """Wait for a GPU's queued work, so that a timer around it measures it; nothing elsewhere."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class CachedModel:
     def __init__(self, model: PreTrainedModel, n_vocab: int | None = None):
         self.model = model
@@ -157,18 +163,14 @@ class CachedModel:
         times: dict[int, list[float]] = {t: [] for t in sizes}
         for round_ in range(rounds + 1):
             for t in sizes:
-                self._sync()
+                sync(self.device)
                 start = time.perf_counter()
                 self.forward(context, filler[:t], t)
-                self._sync()
+                sync(self.device)
                 if round_:
                     times[t].append(time.perf_counter() - start)
                 self.truncate(len(context))
         return {t: sorted(v)[len(v) // 2] for t, v in times.items()}
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def forward_tree(self, context: list[int], tree_tokens: list[int], parents: list[int]) -> torch.Tensor:

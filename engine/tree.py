@@ -403,7 +403,7 @@ class LookupGraftedDrafter:
         # in this order: a node two proposers share is credited to the head, then to prompt lookup
         store_tokens = depth if self.store_tokens is None else self.store_tokens
         chains = {PromptLookupDrafter.name: (found, lookup_values)}
-        # a node worth worth_floor or less is never kept, so a store chain that cannot beat that is not looked up
+        # a node worth worth_floor(step_cost) or less is never kept, so a store chain that cannot beat that is not looked up
         if self.store is not None and STORE_BEST_BESIDE_A_TREE > worth_floor(self.step_cost):
             found, matched = self.store.continuation_match(ids, store_tokens)
             values = [STORE_BESIDE_A_TREE * v for v in chain_acceptance(STORE_ACCEPTANCE, matched, len(found))]

@@ -39,6 +39,7 @@ from pathlib import Path
 
 KINDS = ("eagle", "medusa", "datastore")
 SAMPLE_TEMPERATURE = 0.7  # temperature of the extra (sampled) distilled answers
+SAVE_EVERY_S = 300.0  # distilled data is saved at most this often (and after the last batch)
 
 
 @dataclass(frozen=True)
@@ -77,10 +78,12 @@ class TrainOptions:
     top_k: int = 8  # EAGLE dynamic tree: children per expanded node and nodes expanded per depth
     budget: int = 32  # EAGLE dynamic tree: nodes verified per step
     chain: int = 4  # EAGLE chain length for the evaluation
-    eval_tokens: int = 128
+    eval_tokens: int = 128  # new tokens per held-out prompt when measuring tau (0: measure later, see evaluate_only)
     threads: int = 2
     seed: int = 0
     dtype: str = "float32"
+    device: str = "auto"  # where distillation and training run (auto: a CUDA GPU if there is one, else the CPU)
+    evaluate_only: bool = False  # measure tau of the head already in OUT and rewrite its card (no training)
 
     @property
     def data_path(self) -> Path:
@@ -213,13 +216,18 @@ def distil(model, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], options
         todo = sorted((len(ids), i) for i, ids in enumerate(prompt_ids) if (i, variant) not in have)  # little padding
         batches += [(variant, todo[s : s + options.batch_size]) for s in range(0, len(todo), options.batch_size)]
     bar = tqdm(batches, desc="distil (target answers + features)")
-    for variant, batch in bar:
+    saved = time.perf_counter()
+    for n, (variant, batch) in enumerate(bar, start=1):
         start = time.perf_counter()
         rows = _distil_batch(model, [prompt_ids[i] for _, i in batch], eos_ids, options, sample=variant > 0)
         for (_, i), row in zip(batch, rows):
             done.append({"prompt": torch.tensor(i), "variant": torch.tensor(variant), **row})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(done, path)
+        # The whole file is rewritten each time, so on a fast GPU saving after every batch would
+        # cost more than distilling; a killed run loses at most SAVE_EVERY_S of work.
+        if n == len(batches) or time.perf_counter() - saved > SAVE_EVERY_S:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(done, path)
+            saved = time.perf_counter()
         new = sum(int(r["tokens"].shape[0] - r["answer_start"]) for r in rows)
         bar.set_postfix(answer_tok_per_s=f"{new / (time.perf_counter() - start):.0f}")
     return done
@@ -286,19 +294,19 @@ def pack(samples: list[dict], order: list[int], tokens_per_step: int) -> list[li
     return steps
 
 
-def _packed(step: list[dict]):
+def _packed(step: list[dict], device=None):
     """Position ids of the concatenated per-sample inputs t = 0..T-2, the block-diagonal causal mask
-    over them and the answer region (inputs whose next-but-one token is drafted)."""
+    over them and the answer region (inputs whose next-but-one token is drafted), on `device`."""
     import torch
 
-    spans, positions, answer = [], [], []
-    for sample in step:
-        n = int(sample["tokens"].shape[0]) - 1
-        spans.append(n)
-        positions.append(torch.arange(n))
-        answer.append(torch.arange(n) >= int(sample["answer_start"]) - 2)
-    blocks = [torch.ones(n, n, dtype=torch.bool).tril() for n in spans]
-    return torch.cat(positions), torch.block_diag(*blocks), torch.cat(answer)  # [N], [N, N], [N]
+    spans = [int(sample["tokens"].shape[0]) - 1 for sample in step]
+    starts = torch.tensor([int(sample["answer_start"]) - 2 for sample in step], device=device)  # [S]
+    sample_of = torch.repeat_interleave(torch.arange(len(spans), device=device),
+                                        torch.tensor(spans, device=device))  # [N]
+    first = torch.cumsum(torch.tensor([0] + spans[:-1], device=device), 0)  # [S]: each sample's first entry
+    positions = torch.arange(len(sample_of), device=device) - first[sample_of]  # [N]
+    mask = (sample_of[:, None] == sample_of[None, :]) & (positions[:, None] >= positions[None, :])  # [N, N]
+    return positions, mask, positions >= starts[sample_of]  # [N], [N, N], [N]
 
 
 def unrolled_mask(mask: torch.Tensor, local: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,11 +321,11 @@ def unrolled_mask(mask: torch.Tensor, local: torch.Tensor, depth: int) -> tuple[
     fewer than d-1 predecessors have no such chain and are invalid (they attend only themselves)."""
     import torch
 
-    n = mask.shape[0]
-    eye = torch.eye(n, dtype=torch.bool)
-    offsets = torch.arange(n)[:, None] - torch.arange(n)[None, :]  # [N, N]: t - s
-    blocks = [[torch.zeros(n, n, dtype=torch.bool) for _ in range(depth)] for _ in range(depth)]
-    valid = [torch.ones(n, dtype=torch.bool)]
+    n, device = mask.shape[0], mask.device
+    eye = torch.eye(n, dtype=torch.bool, device=device)
+    offsets = torch.arange(n, device=device)[:, None] - torch.arange(n, device=device)[None, :]  # [N, N]: t - s
+    blocks = [[torch.zeros(n, n, dtype=torch.bool, device=device) for _ in range(depth)] for _ in range(depth)]
+    valid = [torch.ones(n, dtype=torch.bool, device=device)]
     blocks[0][0] = mask
     for d in range(2, depth + 1):
         ok = local >= d - 1  # [N]
@@ -338,7 +346,7 @@ def unrolled_predictions(head, embeds: torch.Tensor, inputs: torch.Tensor, posit
 
     n = inputs.shape[0]
     if unroll == 1:
-        return head(embeds, inputs, positions, mask), torch.ones(n, dtype=torch.bool)
+        return head(embeds, inputs, positions, mask), torch.ones(n, dtype=torch.bool, device=inputs.device)
     full_mask, valid = unrolled_mask(mask, positions, unroll)  # [D*N, D*N], [D*N]
     pass_inputs = [inputs]
     with torch.no_grad():
@@ -361,13 +369,14 @@ def eagle_loss(head, step: list[dict], embed, lm_head, noise: float, generator,
     import torch
     from torch import nn
 
-    positions, mask, answer = _packed(step)
-    tokens = torch.cat([s["tokens"][1:] for s in step])  # [N]: token_{t+1}
-    inputs = torch.cat([s["features"][:-1] for s in step]).float()  # [N, H]: f_t
-    targets = torch.cat([s["features"][1:] for s in step]).float()  # [N, H]: f_{t+1}
+    device = embed.weight.device
+    positions, mask, answer = _packed(step, device)
+    tokens = torch.cat([s["tokens"][1:] for s in step]).to(device)  # [N]: token_{t+1}
+    inputs = torch.cat([s["features"][:-1] for s in step]).to(device).float()  # [N, H]: f_t
+    targets = torch.cat([s["features"][1:] for s in step]).to(device).float()  # [N, H]: f_{t+1}
     if noise:
         scale = inputs.pow(2).mean().sqrt()
-        inputs = inputs + (torch.rand(inputs.shape, generator=generator) * 2 - 1) * noise * scale
+        inputs = inputs + (torch.rand(inputs.shape, generator=generator, device=device) * 2 - 1) * noise * scale
     with torch.no_grad():
         embeds = embed(tokens)  # [N, H]
         p_target = lm_head(targets[answer]).float().softmax(-1)  # [A, V]
@@ -376,7 +385,7 @@ def eagle_loss(head, step: list[dict], embed, lm_head, noise: float, generator,
     answers = answer.repeat(unroll)  # [D*N]
     log_q = lm_head(predicted[answers & valid]).float().log_softmax(-1)  # [S, V], pass 1's A rows first
     if unroll > 1:  # each scored entry's target row: its answer position's, whatever the pass
-        p_target = p_target[torch.arange(p_target.shape[0]).repeat(unroll)[valid[answers]]]  # [S, V]
+        p_target = p_target[torch.arange(p_target.shape[0], device=device).repeat(unroll)[valid[answers]]]  # [S, V]
     classification = -(p_target * log_q).sum(-1).mean()
     first = int(answer.sum())  # pass 1's answer entries, all valid
     agreement = float((log_q[:first].argmax(-1) == p_target[:first].argmax(-1)).float().mean())
@@ -399,14 +408,15 @@ def medusa_loss(heads, step: list[dict], lm_head, label_index: torch.Tensor) -> 
     import torch
     from torch import nn
 
+    device = label_index.device
     losses, hits = [], []
     for k, head in enumerate(heads):
         pairs = [p for p in (_medusa_pairs(sample, k) for sample in step) if p is not None]
         if not pairs:
             continue
         feats, labels = zip(*pairs)
-        logits = heads.logits(head, torch.cat(feats).float(), lm_head)  # [M, V]
-        labels = label_index[torch.cat(labels)]  # [M], positions in the training vocabulary
+        logits = heads.logits(head, torch.cat(feats).to(device).float(), lm_head)  # [M, V]
+        labels = label_index[torch.cat(labels).to(device)]  # [M], positions in the training vocabulary
         losses.append(nn.functional.cross_entropy(logits.float(), labels))
         hits.append(float((logits.argmax(-1) == labels).float().mean()))
     return torch.stack(losses).mean(), sum(hits) / max(len(hits), 1)
@@ -417,19 +427,20 @@ def medusa_rank_accuracy(heads, samples: list[dict], lm_head, ranks: int = 8) ->
     answer regions of the samples."""
     import torch
 
-    hits = torch.zeros(len(heads), ranks)
+    device = lm_head.weight.device
+    hits = torch.zeros(len(heads), ranks, device=device)
     counts = torch.zeros(len(heads))
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
         for sample in samples:
             for k, head in enumerate(heads):
                 pair = _medusa_pairs(sample, k)
                 if pair is None:
                     continue
-                features, labels = pair  # [M, H], [M]
+                features, labels = (t.to(device) for t in pair)  # [M, H], [M]
                 top = heads.logits(head, features.float(), lm_head).topk(ranks, dim=-1).indices  # [M, ranks]
                 hits[k] += (top == labels[:, None]).float().sum(0)
                 counts[k] += labels.shape[0]
-    return (hits / counts.clamp(min=1)[:, None]).tolist()
+    return (hits.cpu() / counts.clamp(min=1)[:, None]).tolist()
 
 
 def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: Path,
@@ -442,16 +453,19 @@ def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: P
     from tqdm import tqdm
 
     embed = model.get_input_embeddings()
+    device = embed.weight.device
+    head.to(device)
     for p in model.parameters():
         p.requires_grad_(False)
     # The losses score only the tokens the distilled data contains (a few thousand of the
     # vocabulary; the held-out data's too, so it can be scored): the vocabulary projection dominates
     # the cost, and the rest gets ~no target mass.
-    vocab = torch.unique(torch.cat([s["tokens"] for s in [*samples, *held_out]]))  # [S]
-    lm_head = nn.Linear(embed.embedding_dim, len(vocab), bias=False)
+    vocab = torch.unique(torch.cat([s["tokens"] for s in [*samples, *held_out]])).to(device)  # [S]
+    lm_head = nn.Linear(embed.embedding_dim, len(vocab), bias=False, device=device)
     lm_head.weight = nn.Parameter(model.get_output_embeddings().weight[vocab].detach().clone(), requires_grad=False)
-    label_index = torch.full((model.get_output_embeddings().weight.shape[0],), -1, dtype=torch.long)  # [V]
-    label_index[vocab] = torch.arange(len(vocab))
+    label_index = torch.full((model.get_output_embeddings().weight.shape[0],), -1, dtype=torch.long,
+                             device=device)  # [V]
+    label_index[vocab] = torch.arange(len(vocab), device=device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=options.lr, betas=(0.9, 0.95), weight_decay=0.0)
     steps_per_epoch = len(pack(samples, list(range(len(samples))), options.tokens_per_step))
     total = max(options.epochs * steps_per_epoch, 1)
@@ -466,7 +480,7 @@ def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: P
     history: list[dict] = []
     start_epoch = 0
     if checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=True)
+        state = torch.load(checkpoint, weights_only=True, map_location=device)
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -474,7 +488,7 @@ def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: P
 
     def step_loss(step: list[dict], generator, unroll: int = options.unroll) -> tuple[torch.Tensor, float]:
         """The kind's loss and top-1 agreement; EAGLE's input features get noise from generator (None: none)."""
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             if options.kind == "eagle":
                 noise = options.feature_noise if generator is not None else 0.0
                 return eagle_loss(head, step, embed, lm_head, noise, generator, options.ce_weight, unroll)
@@ -496,7 +510,7 @@ def train(head, samples: list[dict], options: TrainOptions, model, checkpoint: P
     for epoch in range(start_epoch, options.epochs):
         order = list(range(len(samples)))
         random.Random(options.seed * 1000 + epoch).shuffle(order)
-        noise = torch.Generator().manual_seed(options.seed * 1000 + epoch)
+        noise = torch.Generator(device=device).manual_seed(options.seed * 1000 + epoch)
         steps = pack(samples, order, options.tokens_per_step)
         loss_sum = agree_sum = 0.0
         bar = tqdm(steps, desc=f"train {options.kind} epoch {epoch + 1}/{options.epochs}")
@@ -658,10 +672,13 @@ def _tau_row(r: dict) -> str:
 
 def write_card(out: Path, options: TrainOptions, n_train: int, n_held: int, n_samples: tuple[int, int], n_tokens: int,
                n_steps: int, history: list[dict], tau: dict[str, dict], target_name: str, command: str,
-               draft_vocab_coverage: float | None = None) -> None:
+               draft_vocab_coverage: float | None = None, device: str = "cpu") -> None:
     last = history[-1] if history else {}
     kind = "EAGLE-1" if options.kind == "eagle" else "Medusa-1"
-    rows = "\n".join(_tau_row(r) for r in tau.values())
+    rows = "\n".join(_tau_row(r) for r in tau.values()) or (
+        "| tau on held-out prompts | not measured yet (`--eval-tokens 0`): rerun the command with "
+        "`--evaluate-only` to measure it on this machine's CPU |")
+    where = "CPU (float32)" if device == "cpu" else f"{device} (the target as the app loads it there)"
     sampled = _sampled_phrase(options)
     architecture = ("one Llama decoder layer over fc([embed(token); feature]); "
                     + (f"continued from {Path(options.init_from).name}" if options.init_from else
@@ -710,7 +727,7 @@ held out for the evaluation below.{extra}{teacher}
 tau = emitted tokens / target verification passes, greedy (temperature 0), chat template, up to
 {options.eval_tokens} new tokens per prompt; it counts the bonus/correction token, so plain decoding
 has tau = 1. Greedy output is identical to plain decoding by construction. Times are per decoding
-step on CPU (float32) and depend on the machine.
+step on {where} and depend on the machine. Distillation and training ran on {device}.
 
 Reproduce (from the repository root):
 
@@ -807,7 +824,7 @@ def _neutral(options: TrainOptions) -> dict:
 def run(options: TrainOptions) -> dict:
     import torch
 
-    from engine.models import LoadOptions, load_model
+    from engine.models import LoadOptions, load_model, resolve_device
     from engine.session import Engine
 
     if options.unroll < 1 or (options.unroll > 1 and options.kind != "eagle"):
@@ -818,12 +835,18 @@ def run(options: TrainOptions) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(options.prompts)
     train_prompts, held_out = split_prompts(prompts, options)
-    engine = Engine(load_model(options.target, LoadOptions(device="cpu", dtype=options.dtype)))
+    # Distillation and training run on `device`; tau is measured with the target as the app loads
+    # it on that device (float32 on a CPU).
+    device = "cpu" if options.evaluate_only else str(resolve_device(options.device))
+    engine = Engine(load_model(options.target, LoadOptions(device=device, dtype=options.dtype)))
     model, tokenizer = engine.target.model, engine.target.tokenizer
-    # Distillation may run on a bfloat16 copy (several times faster on CPUs with bf16 matrix units);
-    # the evaluation below always decodes with the target as the app loads it.
+    held_ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in held_out]
+    if options.evaluate_only:
+        return evaluate_saved(options, engine, held_ids)
+    # Distillation may run on a bfloat16 copy (several times faster on CPUs with bf16 matrix units,
+    # and on GPUs); the evaluation below always decodes with the target as the app loads it.
     teacher = model if options.distil_dtype == options.dtype else load_model(
-        options.target, LoadOptions(device="cpu", dtype=options.distil_dtype)).model
+        options.target, LoadOptions(device=device, dtype=options.distil_dtype)).model
     if options.self_prompts:
         train_prompts = train_prompts + write_self_prompts(
             teacher, tokenizer, options.self_prompts, engine.eos_ids, out / "self-prompts.jsonl",
@@ -835,7 +858,6 @@ def run(options: TrainOptions) -> dict:
     own = len(samples)
     for path in options.extra_data:
         samples = samples + torch.load(path, weights_only=True)
-    held_ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in held_out]
     if options.kind == "datastore":
         return build_datastore(options, samples, engine, held_ids, (len(train_prompts), len(held_out), own))
     held_samples = distil(teacher, held_ids, engine.eos_ids,
@@ -855,15 +877,53 @@ def run(options: TrainOptions) -> dict:
             head.config.speclens_draft_vocab_coverage = round(coverage, 5)
         else:
             head.config["speclens_draft_vocab_coverage"] = round(coverage, 5)
+    if head.draft_vocab is not None:
+        head.draft_vocab = head.draft_vocab.to(model.device)  # the evaluation drafts on the target's device
     head.save(out)
-    tau = evaluate_tau(model, tokenizer, held_ids, engine.eos_ids, head, options)
-    n_steps = options.epochs * len(pack(samples, list(range(len(samples))), options.tokens_per_step))
-    n_tokens = sum(int(s["tokens"].shape[0]) for s in samples)
-    write_card(out, options, len(train_prompts), len(held_out), (own, len(samples) - own), n_tokens, n_steps, history,
-               tau, engine.target.name, _command(options), coverage)
-    result = {"tau": tau, "history": history}
+    run_facts = {"n_train": len(train_prompts), "n_held": len(held_out), "n_samples": [own, len(samples) - own],
+                 "n_tokens": sum(int(s["tokens"].shape[0]) for s in samples),
+                 "n_steps": options.epochs * len(pack(samples, list(range(len(samples))), options.tokens_per_step)),
+                 "draft_vocab_coverage": coverage, "device": device, "command": _command(options)}
+    tau = evaluate_tau(model, tokenizer, held_ids, engine.eos_ids, head, options) if options.eval_tokens else {}
+    return _record(out, options, run_facts, history, tau, engine.target.name)
+
+
+def _record(out: Path, options: TrainOptions, run_facts: dict, history: list[dict], tau: dict[str, dict],
+            target_name: str) -> dict:
+    """Write the model card and training.json of a trained head."""
+    write_card(out, options, run_facts["n_train"], run_facts["n_held"], tuple(run_facts["n_samples"]),
+               run_facts["n_tokens"], run_facts["n_steps"], history, tau, target_name, run_facts["command"],
+               run_facts["draft_vocab_coverage"], run_facts["device"])
+    result = {"tau": tau, "history": history, "run": run_facts}
     (out / "training.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def evaluate_saved(options: TrainOptions, engine, held_ids: list[list[int]]) -> dict:
+    """`--evaluate-only`: tau of the head a finished run left in OUT, measured on this machine's CPU
+    with the target as the app loads it (float32), on the run's own held-out prompts (the same
+    arguments give the same split); its card and training.json are rewritten with it. Lets a head
+    trained on a GPU machine be measured where it will be used."""
+    out = Path(options.out)
+    record_path = out / "training.json"
+    record = json.loads(record_path.read_text()) if record_path.exists() else {}
+    if options.kind == "datastore" or "run" not in record:
+        raise ValueError(f"{out}: no head trained by this version of train-drafter to evaluate "
+                         "(--evaluate-only measures an EAGLE or Medusa head whose training.json has a 'run' record)")
+    model = engine.target.model
+    if options.kind == "eagle":
+        from engine.drafters.eagle import EagleHead
+
+        head = EagleHead.load(out)
+    else:
+        from engine.drafters.medusa import MedusaHeads
+
+        config = model.config.get_text_config()
+        head = MedusaHeads.load(out, config.hidden_size, config.vocab_size)
+    options = replace(options, eval_tokens=options.eval_tokens or TrainOptions.eval_tokens)  # the run's 0 = "later"
+    tau = evaluate_tau(model, engine.target.tokenizer, held_ids, engine.eos_ids, head.eval(), options)
+    facts = {**record["run"], "device": "cpu"}
+    return _record(out, options, facts, record["history"], tau, engine.target.name)
 
 
 def _command(options: TrainOptions) -> str:
@@ -875,7 +935,7 @@ def _command(options: TrainOptions) -> str:
     words += [f"--out {values['out']}"] + ([f"--data {values['data']}"] if options.data else [])
     words += [f"--extra-data {name}" for name in values["extra_data"]]
     for name, value in values.items():
-        if name in ("kind", "prompts", "out", "data", "extra_data", "dtype") or value == defaults[name]:
+        if name in ("kind", "prompts", "out", "data", "extra_data", "dtype", "evaluate_only") or value == defaults[name]:
             continue
         if name in ("init_from_target", "distil_only"):
             words.append(f"--{name.replace('_', '-')}")
@@ -913,6 +973,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start from a trained head of the same kind (continue training it on more data)")
     parser.add_argument("--init-from-target", action="store_true",
                         help="EAGLE: start the decoder layer as a copy of the target's last layer")
+    parser.add_argument("--device", default=defaults.device,
+                        help="where to distil and train: auto (a CUDA GPU if there is one), cpu, cuda or cuda:N")
+    parser.add_argument("--evaluate-only", action="store_true",
+                        help="measure tau of the head a finished run left in OUT on this machine's CPU (same "
+                        "arguments as that run, e.g. after training on a GPU with --eval-tokens 0) and rewrite its card")
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
@@ -923,6 +988,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     if options.distil_only:
         print(f"distilled {result['distilled']} sequences -> {result['data']}", file=sys.stderr)
         return 0
+    if not result["tau"]:
+        print(f"trained -> {options.out} (tau not measured: --eval-tokens 0)", file=sys.stderr)
     for name, r in result["tau"].items():
         print(f"tau on held-out prompts, {name}: {r['tau']:.3f} -> {options.out}", file=sys.stderr)
     return 0

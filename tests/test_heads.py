@@ -423,6 +423,60 @@ def test_train_drafter_end_to_end_on_a_tiny_target(tmp_path, target_model, kind)
     assert (again / "model.safetensors").read_bytes() != before
 
 
+def test_train_drafter_measures_tau_later_with_evaluate_only(tmp_path, target_model):
+    """A run with --eval-tokens 0 (as on a GPU machine) trains and writes a card that says tau is not
+    measured; --evaluate-only with the same arguments then measures it on the CPU on the run's own
+    held-out prompts, the same tau an evaluating run reports, and rewrites the card."""
+    import json
+
+    from engine.cli import main
+
+    model_dir = tmp_path / "tiny-target"
+    target_model.save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"instruction": f"Count to {i}."}) for i in range(6)))
+    out = tmp_path / "head"
+    args = ["train-drafter", "--kind", "eagle", "--target", str(model_dir), "--prompts", str(prompts), "--out", str(out),
+            "--held-out", "2", "--answer-tokens", "6", "--epochs", "1", "--depth", "3", "--batch-size", "4",
+            "--device", "cpu", "--eval-tokens", "0"]
+    assert main(args) == 0
+    record = json.loads((out / "training.json").read_text())
+    assert record["tau"] == {} and record["run"]["device"] == "cpu" and len(record["history"]) == 1
+    assert "not measured yet" in (out / "README.md").read_text()
+    weights = (out / "model.safetensors").read_bytes()
+
+    assert main(args + ["--evaluate-only", "--eval-tokens", "8"]) == 0
+    measured = json.loads((out / "training.json").read_text())
+    assert set(measured["tau"]) == {"chain", "tree"} and all(r["tau"] >= 1.0 for r in measured["tau"].values())
+    assert measured["history"] == record["history"] and (out / "model.safetensors").read_bytes() == weights
+    card = (out / "README.md").read_text()
+    assert "not measured yet" not in card and "tau on held-out prompts, EAGLE chain" in card
+    assert "--evaluate-only" not in card and "--device cpu" in card
+
+    again = tmp_path / "evaluated"  # the same run measuring tau itself gives the same numbers
+    assert main([again.as_posix() if a == str(out) else "8" if a == "0" else a for a in args]) == 0
+    direct = json.loads((again / "training.json").read_text())["tau"]
+    assert {k: (r["tau"], r["tokens"]) for k, r in direct.items()} == {
+        k: (r["tau"], r["tokens"]) for k, r in measured["tau"].items()}
+    with pytest.raises(ValueError, match="no head trained"):
+        main(["train-drafter", "--kind", "eagle", "--target", str(model_dir), "--prompts", str(prompts),
+              "--out", str(tmp_path / "empty"), "--evaluate-only"])
+
+
+def test_packed_steps_are_block_diagonal_causal():
+    """Packed training steps: per-sample positions, a causal mask within each sample and none across,
+    and the answer region starting two tokens before each sample's answer."""
+    from engine.train import _packed
+
+    step = [{"tokens": torch.arange(n), "answer_start": torch.tensor(a)} for n, a in ((5, 3), (1, 0), (4, 2))]
+    positions, mask, answer = _packed(step)
+    assert positions.tolist() == [0, 1, 2, 3, 0, 1, 2]
+    blocks = [torch.ones(n, n, dtype=torch.bool).tril() for n in (4, 0, 3)]
+    assert torch.equal(mask, torch.block_diag(*blocks))
+    assert answer.tolist() == [False, True, True, True, True, True, True]
+
+
 def _assert_tree_features_equal_linear_runs(drafter, head, target_model, ids, tokens, parents):
     """Every memoised node feature equals an uncached linear EAGLE run: context inputs (f_i, t_{i+1}),
     then (f_hat(parent), x) along the node's path."""

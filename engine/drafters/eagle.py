@@ -140,9 +140,9 @@ class EagleHead(nn.Module):
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text(self.config.to_json_string())
-        state = {k: v.contiguous() for k, v in self.state_dict().items()}
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         if self.draft_vocab is not None:
-            state["draft_vocab"] = self.draft_vocab.contiguous()
+            state["draft_vocab"] = self.draft_vocab.cpu().contiguous()
         save_file(state, folder / "model.safetensors")
 
 

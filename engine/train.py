@@ -672,13 +672,13 @@ def _tau_row(r: dict) -> str:
 
 def write_card(out: Path, options: TrainOptions, n_train: int, n_held: int, n_samples: tuple[int, int], n_tokens: int,
                n_steps: int, history: list[dict], tau: dict[str, dict], target_name: str, command: str,
-               draft_vocab_coverage: float | None = None, device: str = "cpu") -> None:
+               draft_vocab_coverage: float | None = None, device: str = "cpu", eval_device: str = "cpu") -> None:
     last = history[-1] if history else {}
     kind = "EAGLE-1" if options.kind == "eagle" else "Medusa-1"
     rows = "\n".join(_tau_row(r) for r in tau.values()) or (
         "| tau on held-out prompts | not measured yet (`--eval-tokens 0`): rerun the command with "
         "`--evaluate-only` to measure it on this machine's CPU |")
-    where = "CPU (float32)" if device == "cpu" else f"{device} (the target as the app loads it there)"
+    where = "CPU (float32)" if eval_device == "cpu" else f"{eval_device} (the target as the app loads it there)"
     sampled = _sampled_phrase(options)
     architecture = ("one Llama decoder layer over fc([embed(token); feature]); "
                     + (f"continued from {Path(options.init_from).name}" if options.init_from else
@@ -725,7 +725,7 @@ held out for the evaluation below.{extra}{teacher}
 {held_row}{vocab_row}{rows}
 
 tau = emitted tokens / target verification passes, greedy (temperature 0), chat template, up to
-{options.eval_tokens} new tokens per prompt; it counts the bonus/correction token, so plain decoding
+{options.eval_tokens or TrainOptions.eval_tokens} new tokens per prompt; it counts the bonus/correction token, so plain decoding
 has tau = 1. Greedy output is identical to plain decoding by construction. Times are per decoding
 step on {where} and depend on the machine. Distillation and training ran on {device}.
 
@@ -833,16 +833,16 @@ def run(options: TrainOptions) -> dict:
     torch.manual_seed(options.seed)
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
+    if options.evaluate_only:
+        return evaluate_saved(options, Engine(load_model(options.target, LoadOptions(device="cpu"))))
     prompts = load_prompts(options.prompts)
     train_prompts, held_out = split_prompts(prompts, options)
     # Distillation and training run on `device`; tau is measured with the target as the app loads
     # it on that device (float32 on a CPU).
-    device = "cpu" if options.evaluate_only else str(resolve_device(options.device))
+    device = str(resolve_device(options.device))
     engine = Engine(load_model(options.target, LoadOptions(device=device, dtype=options.dtype)))
     model, tokenizer = engine.target.model, engine.target.tokenizer
     held_ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in held_out]
-    if options.evaluate_only:
-        return evaluate_saved(options, engine, held_ids)
     # Distillation may run on a bfloat16 copy (several times faster on CPUs with bf16 matrix units,
     # and on GPUs); the evaluation below always decodes with the target as the app loads it.
     teacher = model if options.distil_dtype == options.dtype else load_model(
@@ -883,33 +883,46 @@ def run(options: TrainOptions) -> dict:
     run_facts = {"n_train": len(train_prompts), "n_held": len(held_out), "n_samples": [own, len(samples) - own],
                  "n_tokens": sum(int(s["tokens"].shape[0]) for s in samples),
                  "n_steps": options.epochs * len(pack(samples, list(range(len(samples))), options.tokens_per_step)),
-                 "draft_vocab_coverage": coverage, "device": device, "command": _command(options)}
+                 "draft_vocab_coverage": coverage, "device": device, "command": _command(options),
+                 "options": _neutral(options)}
     tau = evaluate_tau(model, tokenizer, held_ids, engine.eos_ids, head, options) if options.eval_tokens else {}
-    return _record(out, options, run_facts, history, tau, engine.target.name)
+    return _record(out, options, run_facts, history, tau, engine.target.name, device)
 
 
 def _record(out: Path, options: TrainOptions, run_facts: dict, history: list[dict], tau: dict[str, dict],
-            target_name: str) -> dict:
+            target_name: str, eval_device: str) -> dict:
     """Write the model card and training.json of a trained head."""
     write_card(out, options, run_facts["n_train"], run_facts["n_held"], tuple(run_facts["n_samples"]),
                run_facts["n_tokens"], run_facts["n_steps"], history, tau, target_name, run_facts["command"],
-               run_facts["draft_vocab_coverage"], run_facts["device"])
+               run_facts["draft_vocab_coverage"], run_facts["device"], eval_device)
     result = {"tau": tau, "history": history, "run": run_facts}
     (out / "training.json").write_text(json.dumps(result, indent=2))
     return result
 
 
-def evaluate_saved(options: TrainOptions, engine, held_ids: list[list[int]]) -> dict:
+def evaluate_saved(options: TrainOptions, engine) -> dict:
     """`--evaluate-only`: tau of the head a finished run left in OUT, measured on this machine's CPU
-    with the target as the app loads it (float32), on the run's own held-out prompts (the same
-    arguments give the same split); its card and training.json are rewritten with it. Lets a head
-    trained on a GPU machine be measured where it will be used."""
+    with the target as the app loads it (float32), on that run's own held-out prompts (its options,
+    recorded in training.json, give the same split of the same --prompts files); the card and
+    training.json are rewritten with it. The evaluation's own settings (eval tokens, chain, tree
+    depth, top-k, budget) come from this command. Lets a head trained on a GPU machine be measured
+    where it will be used."""
     out = Path(options.out)
     record_path = out / "training.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
-    if options.kind == "datastore" or "run" not in record:
+    saved = record.get("run", {}).get("options")
+    if options.kind == "datastore" or saved is None:
         raise ValueError(f"{out}: no head trained by this version of train-drafter to evaluate "
-                         "(--evaluate-only measures an EAGLE or Medusa head whose training.json has a 'run' record)")
+                         "(--evaluate-only measures an EAGLE or Medusa head whose training.json records its run)")
+    if saved["kind"] != options.kind:
+        raise ValueError(f"{out} holds a {saved['kind']} head, not {options.kind}")
+    if [Path(p).name for p in options.prompts] != saved["prompts"]:
+        raise ValueError(f"give the run's --prompts files ({', '.join(saved['prompts'])}): its held-out prompts come from them")
+    evaluation = ("eval_tokens", "depth", "top_k", "budget", "chain")
+    trained = replace(options, **{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
+                                  if k not in ("prompts", "out", "evaluate_only", *evaluation)})
+    _, held_out = split_prompts(load_prompts(options.prompts), trained)
+    held_ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in held_out]
     model = engine.target.model
     if options.kind == "eagle":
         from engine.drafters.eagle import EagleHead
@@ -920,10 +933,8 @@ def evaluate_saved(options: TrainOptions, engine, held_ids: list[list[int]]) -> 
 
         config = model.config.get_text_config()
         head = MedusaHeads.load(out, config.hidden_size, config.vocab_size)
-    options = replace(options, eval_tokens=options.eval_tokens or TrainOptions.eval_tokens)  # the run's 0 = "later"
-    tau = evaluate_tau(model, engine.target.tokenizer, held_ids, engine.eos_ids, head.eval(), options)
-    facts = {**record["run"], "device": "cpu"}
-    return _record(out, options, facts, record["history"], tau, engine.target.name)
+    tau = evaluate_tau(model, engine.target.tokenizer, held_ids, engine.eos_ids, head.eval(), trained)
+    return _record(out, trained, record["run"], record["history"], tau, engine.target.name, "cpu")
 
 
 def _command(options: TrainOptions) -> str:

@@ -452,13 +452,16 @@ def test_train_drafter_measures_tau_later_with_evaluate_only(tmp_path, target_mo
     assert measured["history"] == record["history"] and (out / "model.safetensors").read_bytes() == weights
     card = (out / "README.md").read_text()
     assert "not measured yet" not in card and "tau on held-out prompts, EAGLE chain" in card
-    assert "--evaluate-only" not in card and "--device cpu" in card
+    assert "--evaluate-only" not in card and "--device cpu" in card and "--eval-tokens 0" in card
+    assert "epochs, optimiser steps, tokens per step | 1, " in card  # the run's options, not this command's defaults
 
     again = tmp_path / "evaluated"  # the same run measuring tau itself gives the same numbers
     assert main([again.as_posix() if a == str(out) else "8" if a == "0" else a for a in args]) == 0
     direct = json.loads((again / "training.json").read_text())["tau"]
     assert {k: (r["tau"], r["tokens"]) for k, r in direct.items()} == {
         k: (r["tau"], r["tokens"]) for k, r in measured["tau"].items()}
+    with pytest.raises(ValueError, match="give the run's --prompts files"):
+        main(args[:6] + [str(tmp_path / "other.jsonl")] + args[7:] + ["--evaluate-only"])
     with pytest.raises(ValueError, match="no head trained"):
         main(["train-drafter", "--kind", "eagle", "--target", str(model_dir), "--prompts", str(prompts),
               "--out", str(tmp_path / "empty"), "--evaluate-only"])

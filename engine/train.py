@@ -920,7 +920,7 @@ def evaluate_saved(options: TrainOptions, engine) -> dict:
         raise ValueError(f"give the run's --prompts files ({', '.join(saved['prompts'])}): its held-out prompts come from them")
     evaluation = ("eval_tokens", "depth", "top_k", "budget", "chain")
     trained = replace(options, **{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
-                                  if k not in ("prompts", "out", "evaluate_only", *evaluation)})
+                                  if k not in ("prompts", *evaluation)})
     _, held_out = split_prompts(load_prompts(options.prompts), trained)
     held_ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in held_out]
     model = engine.target.model

@@ -428,6 +428,7 @@ def test_train_drafter_measures_tau_later_with_evaluate_only(tmp_path, target_mo
     measured; --evaluate-only with the same arguments then measures it on the CPU on the run's own
     held-out prompts, the same tau an evaluating run reports, and rewrites the card."""
     import json
+    import shutil
 
     from engine.cli import main
 
@@ -446,6 +447,10 @@ def test_train_drafter_measures_tau_later_with_evaluate_only(tmp_path, target_mo
     assert "not measured yet" in (out / "README.md").read_text()
     weights = (out / "model.safetensors").read_bytes()
 
+    shipped = tmp_path / "shipped"  # evaluated where it was copied to, as a head trained elsewhere is
+    shutil.copytree(out, shipped)
+    args = [str(shipped) if a == str(out) else a for a in args]
+    out = shipped
     assert main(args + ["--evaluate-only", "--eval-tokens", "8"]) == 0
     measured = json.loads((out / "training.json").read_text())
     assert set(measured["tau"]) == {"chain", "tree"} and all(r["tau"] >= 1.0 for r in measured["tau"].values())
@@ -454,9 +459,11 @@ def test_train_drafter_measures_tau_later_with_evaluate_only(tmp_path, target_mo
     assert "not measured yet" not in card and "tau on held-out prompts, EAGLE chain" in card
     assert "--evaluate-only" not in card and "--device cpu" in card and "--eval-tokens 0" in card
     assert "epochs, optimiser steps, tokens per step | 1, " in card  # the run's options, not this command's defaults
+    assert '"out": "head"' in card and '"evaluate_only": false' in card and '"eval_tokens": 8' in card
 
-    again = tmp_path / "evaluated"  # the same run measuring tau itself gives the same numbers
-    assert main([again.as_posix() if a == str(out) else "8" if a == "0" else a for a in args]) == 0
+    again = tmp_path / "head"  # the same run measuring tau itself gives the same numbers
+    shutil.rmtree(again)
+    assert main([str(again) if a == str(out) else "8" if a == "0" else a for a in args]) == 0
     direct = json.loads((again / "training.json").read_text())["tau"]
     assert {k: (r["tau"], r["tokens"]) for k, r in direct.items()} == {
         k: (r["tau"], r["tokens"]) for k, r in measured["tau"].items()}

@@ -54,7 +54,7 @@ def test_shipped_self_prompts_load_for_training_and_share_nothing_with_the_bench
     """The user turns the default target wrote for the shipped heads' training (train-drafter --self-prompts)."""
     path = ROOT / "resources" / "prompts" / "self-prompts-smollm2.jsonl"
     prompts = load_prompts((str(path),))
-    assert len(prompts) == 16000 == len(path.read_text().splitlines())
+    assert len(prompts) == 32000 == len(path.read_text().splitlines())
     if SPEC_BENCH.exists():
         turns = {turn.strip() for line in SPEC_BENCH.read_text().splitlines() if line.strip()
                  for turn in json.loads(line)["turns"]}

@@ -17,9 +17,14 @@ Other prompt sets can join a run: `--distil-only` distils them into a data file 
 adds with `--extra-data`. The held-out prompts' greedy answers are distilled too
 (OUT/held-out.pt), so every epoch also records the head's top-1 agreement on them.
 
-Stages are resumable: the distilled data (DATA, by default OUT/distilled.pt, saved after every
-batch) and a checkpoint (weights, optimiser, epoch) are picked up by a rerun with the same
-arguments. Output: config.json + model.safetensors + README.md + training.json.
+Distillation and training run on `device` (a CUDA GPU when there is one): the same code, with each
+step's tensors moved there. On a GPU the tau measurement can wait (`eval_tokens` 0) for
+`evaluate_only`, which decodes the run's held-out prompts on the CPU where the head will be used.
+
+Stages are resumable: the distilled data (DATA, by default OUT/distilled.pt, saved every
+SAVE_EVERY_S and after the last batch) and a checkpoint (weights, optimiser, epoch) are picked up by
+a rerun with the same arguments. Output: config.json + model.safetensors + README.md + training.json
+(whose "run" record lets `evaluate_only` rebuild the card).
 
 Only the standard library is imported at module level, so that `speclens --help` stays fast.
 """

@@ -549,13 +549,25 @@ def draft_vocabulary(samples: list[dict], n: int) -> tuple[torch.Tensor, float]:
     return keep.sort().values, float(counts[keep].sum()) / max(int(answers.numel()), 1)
 
 
+def load_head(kind: str, folder: str | Path, model):
+    """A trained head of `kind` from `folder`, for the target `model` (float32)."""
+    if kind == "eagle":
+        from engine.drafters.eagle import EagleHead
+
+        return EagleHead.load(folder).float()
+    from engine.drafters.medusa import MedusaHeads
+
+    config = model.config.get_text_config()
+    return MedusaHeads.load(folder, config.hidden_size, config.vocab_size)
+
+
 def new_head(kind: str, model, options: TrainOptions):
     config = model.config.get_text_config()
     if kind == "eagle":
         from engine.drafters.eagle import EagleHead
 
         if options.init_from:
-            head = EagleHead.load(options.init_from).float()
+            head = load_head(kind, options.init_from, model)
             if head.config.hidden_size != config.hidden_size:
                 raise ValueError(f"{options.init_from}: an EAGLE head of width {head.config.hidden_size}, "
                                  f"the target has {config.hidden_size}")
@@ -568,7 +580,7 @@ def new_head(kind: str, model, options: TrainOptions):
     from engine.drafters.medusa import MedusaHeads
 
     if options.init_from:
-        heads = MedusaHeads.load(options.init_from, config.hidden_size, config.vocab_size)
+        heads = load_head(kind, options.init_from, model)
         layers = heads.config.get("medusa_num_layers", 1)
         if len(heads) != options.medusa_heads or layers != options.medusa_layers:
             raise ValueError(f"{options.init_from}: {len(heads)} Medusa heads of {layers} layer(s), not the "
@@ -928,17 +940,8 @@ def evaluate_saved(options: TrainOptions, engine) -> dict:
                                   if k not in ("prompts", *evaluation)})
     _, held_out = split_prompts(load_prompts(options.prompts), trained)
     held_ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in held_out]
-    model = engine.target.model
-    if options.kind == "eagle":
-        from engine.drafters.eagle import EagleHead
-
-        head = EagleHead.load(out)
-    else:
-        from engine.drafters.medusa import MedusaHeads
-
-        config = model.config.get_text_config()
-        head = MedusaHeads.load(out, config.hidden_size, config.vocab_size)
-    tau = evaluate_tau(model, engine.target.tokenizer, held_ids, engine.eos_ids, head.eval(), trained)
+    head = load_head(options.kind, out, engine.target.model).eval()
+    tau = evaluate_tau(engine.target.model, engine.target.tokenizer, held_ids, engine.eos_ids, head, trained)
     return _record(out, trained, record["run"], record["history"], tau, engine.target.name, "cpu")
 
 
@@ -992,8 +995,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=defaults.device,
                         help="where to distil and train: auto (a CUDA GPU if there is one), cpu, cuda or cuda:N")
     parser.add_argument("--evaluate-only", action="store_true",
-                        help="measure tau of the head a finished run left in OUT on this machine's CPU (same "
-                        "arguments as that run, e.g. after training on a GPU with --eval-tokens 0) and rewrite its card")
+                        help="measure tau of the head a finished run left in OUT (e.g. trained on a GPU with "
+                        "--eval-tokens 0) on this machine's CPU, on that run's held-out prompts, and rewrite its "
+                        "card; give the run's --kind, --prompts and --out (its other options come from training.json)")
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:

@@ -237,7 +237,7 @@ class EagleDrafter(DraftModelTreeDrafter):
     def _draft_scores(self, ids: list[int], tokens: list[int], parents: list[int], nodes: list[int],
                       params: SamplingParams) -> torch.Tensor:
         """Processed head logits [len(nodes), V] at the given tree nodes (root = the context's end)."""
-        self._feed_tree(ids, tokens, parents)
+        self._feed_tree(ids, tokens, parents, nodes)
         logits = self._logits(torch.stack([self._f_hat[m] for m in nodes]))  # [len(nodes), V]
         if params.repetition_penalty == 1.0:  # no history-dependent processing: one batched call
             history = torch.tensor(ids, device=logits.device)
@@ -257,7 +257,7 @@ class EagleDrafter(DraftModelTreeDrafter):
         row with -inf elsewhere, without building and normalising that row."""
         if self._vocab is None or params.repetition_penalty != 1.0:
             return super()._top_candidates(ids, tokens, parents, nodes, params)
-        self._feed_tree(ids, tokens, parents)
+        self._feed_tree(ids, tokens, parents, nodes)
         logits = self._rows(torch.stack([self._f_hat[m] for m in nodes])).float()  # [len(nodes), N]
         empty = torch.zeros(0, dtype=torch.long, device=logits.device)
         q = process_logits(logits, params, empty, empty).softmax(-1)  # [len(nodes), N]
@@ -269,10 +269,12 @@ class EagleDrafter(DraftModelTreeDrafter):
         """Float logits [n, V] of predicted features [n, H]; outside the draft vocabulary -inf."""
         return full_vocab_logits(self._rows(features), self._vocab, self.target.n_vocab)
 
-    def _feed_tree(self, ids: list[int], tokens: list[int], parents: list[int]) -> None:
-        """Feed the tree nodes whose parent's feature is known and which are not fed yet, memoising
-        their predicted features; each attends to the committed entries, its fed ancestors and itself."""
-        new = [n for n in range(1, len(tokens)) if n not in self._f_hat and parents[n] in self._f_hat]
+    def _feed_tree(self, ids: list[int], tokens: list[int], parents: list[int], nodes: list[int]) -> None:
+        """Feed those of `nodes` not fed yet (each a child of a fed node: the tree grows from expanded
+        nodes), memoising their predicted features; each attends to the committed entries, its fed
+        ancestors and itself. Only the nodes being expanded are fed, as in EAGLE-2: the other drafted
+        candidates never need a feature."""
+        new = [n for n in nodes if n not in self._f_hat]
         if not new:
             return
         device = self.target.device

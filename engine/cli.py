@@ -35,7 +35,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "measurement; native insists on the native kernels; packed uses oneDNN for every block; "
                              "stock keeps nn.Linear")
     parser.add_argument("--tree-budget", type=int, default=None, metavar="N",
-                        help="draft-tree nodes for the EAGLE and Medusa methods (default: 4 on CPU, 32 on GPU)")
+                        help="draft-tree nodes for the EAGLE and Medusa methods, 1..128 (default: 4 on CPU, 32 on GPU)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

@@ -75,7 +75,8 @@ def test_settings_round_trip_and_bad_file(app_dirs):
     with pytest.raises(ValueError):
         AppSettings(k=17)
     with pytest.raises(ValueError, match="tree nodes"):
-        AppSettings(tree_budget=65)
+        AppSettings(tree_budget=129)
+    assert AppSettings(tree_budget=128).tree_budget == 128
 
 
 def test_generation_config_and_reload_rules():

@@ -8,7 +8,7 @@ Prints:
      draft vocabulary), captured as a CUDA graph too;
   4. speculative tokens/s with the synthetic drafter (engine/drafters/synthetic.py) at acceptance
      a = 0.6, 0.8, 0.9 and K = 4, 8, next to E = (1 - a^(K+1)) / (1 - a) and the ceiling E / (1 + v)
-     of REFERENCE.md section 1 (v = verify cost of K+1 tokens over 1, minus 1; the drafter is free).
+     (Leviathan et al. 2023, with v = verify cost of K+1 tokens over 1, minus 1; the drafter is free).
 
 The model is our own gpt-fast-style Llama (no transformers): a static KV cache indexed by position,
 so a rollback after a rejection costs nothing (stale slots lie past every later query's position and

@@ -1,4 +1,4 @@
-"""Deliberately broken chain verifiers (REFERENCE.md section 6): the exactness checks must reject each."""
+"""Deliberately broken chain verifiers: the exactness checks must reject each, or they prove nothing."""
 
 from __future__ import annotations
 

@@ -3,11 +3,13 @@ import os
 import sys
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["HF_HUB_OFFLINE"] = "1"  # tests never download from a model hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from tests.native import native_kernel  # noqa: E402,F401 - the fixture behind tests.native.needs_native
 
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine threads that wait
 # for each other make every small matmul orders of magnitude slower.

@@ -5,7 +5,7 @@ from engine.events import StepEvent
 
 
 def test_iid_acceptance_matches_closed_form():
-    # i.i.d. acceptance a: E = (1 - a^(K+1)) / (1 - a); K=5, a=0.8 -> 3.69 (REFERENCE.md section 1)
+    # i.i.d. acceptance a: E = (1 - a^(K+1)) / (1 - a); K=5, a=0.8 -> 3.69 (Leviathan et al. 2023)
     a = 0.8
     per_position = [a ** (i + 1) for i in range(5)]
     assert expected_tokens(per_position, 5) == pytest.approx((1 - a**6) / (1 - a))

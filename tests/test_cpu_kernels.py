@@ -18,12 +18,13 @@ from engine.cpu_kernels import (
     packed_kernels_work,
 )
 from engine.models import _use_cpu_kernels
-from engine.native_kernels import NativeLinear, native_build
+from engine.native_kernels import NativeLinear
 from engine.decode import GenerationConfig, generate
 from engine.drafters.eagle import EagleDrafter, EagleHead
 from engine.drafters.medusa import MedusaDrafter, MedusaHeads
 from engine.events import Summary
 from engine.tree import TreeShape
+from tests.native import native_or_skip
 from tests.tiny import hf_greedy, tiny_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(not packed_kernels_work(torch.float32), reason="no oneDNN packed linear in this torch")
@@ -174,8 +175,7 @@ def models(request):
     stock = tiny_llama(seed=0)
     packed = copy.deepcopy(stock)
     if one_row == "native":
-        if native_build().module is None:
-            pytest.skip(f"native kernels unavailable: {native_build().message}")
+        native_or_skip()
         _use_cpu_kernels(packed, "native", torch.float32, lambda *a: None)
         assert native_kernel_of(packed) is not None and packed.config._attn_implementation == "speclens_native"
         return stock, packed

@@ -122,13 +122,15 @@ def test_cancel_stops_between_steps(target_model):
     seen = 0
     gen = generate(CachedModel(target_model), tiny_tokenizer(), prompt_ids(), GenerationConfig(max_new_tokens=200),
                    PromptLookupDrafter(), cancel=cancel)
+    summaries = []
     for event in gen:
         if isinstance(event, StepEvent):
             seen += 1
             if seen == 3:
                 cancel.set()
         if isinstance(event, Summary):
-            assert event.stop_reason == "cancelled" and event.steps == 3
+            summaries.append(event)
+    assert len(summaries) == 1 and summaries[0].stop_reason == "cancelled" and summaries[0].steps == 3
 
 
 def test_stop_string_cuts_text(target_model):

@@ -62,11 +62,11 @@ def test_verification_scores_every_token_exactly_as_plain_decoding(engine):
     so at any temperature verification samples from exactly plain decoding's distributions."""
     from engine.cache import CachedModel
     from engine.cpu_kernels import native_kernel_of
-    from engine.native_kernels import native_build
     from engine.tree import LookupGraftedDrafter, ancestor_path
+    from tests.native import native_or_skip
 
-    if native_kernel_of(engine.target.model) is None:
-        pytest.skip(f"native kernels unavailable: {native_build().message}")
+    native_or_skip()
+    assert native_kernel_of(engine.target.model) is not None  # built, so the default model computes with it
     assert engine.target.model.config._attn_implementation == "speclens_native"
     ids = engine.encode_chat([{"role": "user", "content": "Write a short poem about the sea."}])
     target = CachedModel(engine.target.model, engine.target_lm.n_vocab)
@@ -112,10 +112,10 @@ def test_every_method_greedy_equals_plain_decoding_with_one_row_stock_kernels(bl
             assert result.token_ids == plain.token_ids, (prompt, method)
 
 
-def test_head_methods_use_the_device_tree_budget(engine):
+def test_head_methods_use_the_device_tree_budget(engine, monkeypatch):
     from engine.drafters import StepCost
-    from engine.session import (CPU_STEP_ROWS, LOOKUP_COST_TOKENS, EngineError, eagle_top_k, head_step_cost,
-                                tree_budget)
+    from engine.session import (CPU_STEP_ROWS, LOOKUP_COST_TOKENS, LOOKUP_CPU_STEP_ROWS, EngineError, eagle_top_k,
+                                head_step_cost, tree_budget)
 
     assert tree_budget(torch.device("cpu")) == 4 and tree_budget(torch.device("cuda")) == 32
     assert tree_budget(torch.device("cpu"), 16) == 16
@@ -138,12 +138,22 @@ def test_head_methods_use_the_device_tree_budget(engine):
     # prompt lookup's chain is cut by the target's forwards as timed at load, and eagle_lookup verifies a
     # chain worth verifying at that cost alone
     lookup_cost = engine.drafter("lookup").step_cost
-    assert len(lookup_cost.costs) == LOOKUP_COST_TOKENS and lookup_cost is engine.lookup_cost
+    assert isinstance(lookup_cost, StepCost) and lookup_cost is engine.lookup_cost  # its times are the machine's
     assert engine.drafter("eagle_lookup").lookup_cost is lookup_cost
-    assert 1e-4 < lookup_cost(0) < 1.0 and lookup_cost(8) > lookup_cost(0)  # seconds; 9 tokens cost more than 1
-    engine.remeasure_lookup_cost()  # as after a change of threads: measured again, for both
+    # measured again, as after a change of threads, for both; the forwards' times are fixed here, so what
+    # is checked is what the engine builds from them, not how fast this machine is
+    times = {t: 0.008 if t <= 3 else 0.008 + 0.002 * (t - 3) for t in range(1, LOOKUP_COST_TOKENS + 1)}
+    monkeypatch.setattr(type(engine.target_lm), "time_forwards",
+                        lambda self, ids, sizes, rounds=5: {t: times[t] for t in sizes})
+    engine.remeasure_lookup_cost()
     assert engine.drafter("lookup").step_cost is engine.drafter("eagle_lookup").lookup_cost is engine.lookup_cost
-    assert engine.lookup_cost is not lookup_cost
+    assert engine.lookup_cost.costs == StepCost.measured([times[t] for t in sorted(times)]).costs
+    assert engine.lookup_cost(0) == 0.008 and engine.lookup_cost(8) == pytest.approx(0.008 + 0.002 * 6)
+    times.update({1: 0.06})  # a target too slow to time quickly: the fixed rows besides the chain instead
+    engine.remeasure_lookup_cost()
+    assert engine.lookup_cost == StepCost.linear(LOOKUP_CPU_STEP_ROWS) == engine.drafter("lookup").step_cost
+    monkeypatch.undo()
+    engine.remeasure_lookup_cost()  # the module's engine goes on with this machine's own times
     assert engine.drafter("eagle_chain").step_cost is None  # a static chain has no values to cut by
     assert len(engine.drafter("medusa").shape.parents) == 1 + 4  # a sparse tree of 4 nodes below the root
     # the shipped heads draft from the 8192 most frequent answer tokens: a sixth of the LM head per step

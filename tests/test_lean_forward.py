@@ -13,10 +13,10 @@ from engine.cache import AppendLayer, CachedModel
 from engine.lean_forward import lean_forward_for
 from engine.models import _use_cpu_kernels
 from engine.native_kernels import native_build, use_native_linears
+from tests.native import native_or_skip, needs_native
 from tests.tiny import tiny_llama, tiny_tokenizer
 
 native = native_build().module
-needs_native = pytest.mark.skipif(native is None, reason=f"native kernel unavailable: {native_build().message}")
 
 PROMPT = "one two three four five six one two three four"
 
@@ -119,8 +119,7 @@ def test_lean_forward_only_where_it_applies():
     stock = tiny_llama()
     assert lean_forward_for(stock) is None  # PyTorch's kernels: HF's forward
     assert CachedModel(stock).lean is None
-    if native is None:
-        return
+    native_or_skip()
     bfloat16_panels = tiny_llama()
     use_native_linears(bfloat16_panels, native, bfloat16=True)
     assert lean_forward_for(bfloat16_panels) is None  # native linears, but not the target's float32 ones

@@ -23,10 +23,10 @@ from engine.native_kernels import NativeLinear, native_build, use_native_linears
 from engine.selftest import block_invariance_line
 from engine.session import Engine
 from engine.tree import tree_attention
+from tests.native import native_or_skip, needs_native
 from tests.tiny import loaded, tiny_llama, tiny_tokenizer
 
 native = native_build().module
-needs_native = pytest.mark.skipif(native is None, reason=f"native kernel unavailable: {native_build().message}")
 
 PROMPT = "one two three four five six one two three four"
 
@@ -197,6 +197,7 @@ def test_a_target_of_blocks_decodes_exactly_as_with_float32_panels(monkeypatch):
         assert torch.equal(got, want)
 
 
+@needs_native
 def test_a_row_gives_the_same_bits_alone_in_any_block_and_on_any_thread_count():
     torch.manual_seed(2)
     layer = NativeLinear(native, torch.randn(300, 576), torch.randn(300))
@@ -394,6 +395,8 @@ def test_drafters_follow_a_native_target():
 
 
 def test_an_installation_without_the_source_says_so(monkeypatch, tmp_path):
+    monkeypatch.delenv("SPECLENS_NATIVE_KERNELS", raising=False)
+    monkeypatch.delenv("SPECLENS_NATIVE_ISA", raising=False)
     monkeypatch.setattr(native_kernels, "SOURCE", tmp_path / "native_kernels.cpp")
     assert "native_kernels.cpp is missing" in native_kernels.unsupported_reason()
     assert not native_kernels.is_built()
@@ -404,8 +407,7 @@ def test_the_selftest_checks_block_invariance_and_fails_without_it(monkeypatch):
     prompt = tiny_tokenizer()(PROMPT)["input_ids"]
     line, ok = block_invariance_line(plain, prompt, prompt[:6])
     assert ok and line.startswith("INFO block invariance")
-    if native is None:
-        return
+    native_or_skip()
     exact = Engine(loaded(_native_tiny(), "tiny-native"))
     line, ok = block_invariance_line(exact, prompt, prompt[:6])
     assert ok and line.startswith("PASS block invariance") and "bit for bit" in line
@@ -492,7 +494,7 @@ def test_the_build_is_the_instruction_set_asked_for():
 
 
 @needs_native
-@pytest.mark.skipif(native is None or native.isa() == "AVX2", reason="this build already is the AVX2 one")
+@pytest.mark.skipif(native is not None and native.isa() == "AVX2", reason="this build already is the AVX2 one")
 def test_the_avx2_build_passes_this_file_too():
     """Most x86 laptops have AVX2 but not AVX-512, and CI machines have AVX-512: so every test above runs
     again on an AVX2 build of the same source (its own folder in the cache; built once, about 30 s),

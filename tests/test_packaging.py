@@ -34,11 +34,14 @@ def test_appstream_metadata_is_well_formed():
 def test_freezing_recipe_parses_and_its_paths_exist():
     spec = (PACKAGING / "speclens.spec").read_text()
     ast.parse(spec)
-    for relative in re.findall(r'ROOT / "([^"]+)"(?: / "([^"]+)")?(?: / "([^"]+)")?', spec):
+    paths = re.findall(r'ROOT / "([^"]+)"(?: / "([^"]+)")?(?: / "([^"]+)")?', spec)
+    assert len(paths) >= 3, paths  # the entry script, resources and the native kernel's source at least
+    for relative in paths:
         path = ROOT.joinpath(*[part for part in relative if part])
         assert path.exists(), path
 
 
 def test_doctor_runs():
     result = subprocess.run([sys.executable, "-m", "engine.cli", "doctor"], capture_output=True, text=True, cwd=ROOT)
-    assert "torch:" in result.stdout and "default model:" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 0 and "torch:" in result.stdout and "default model:" in result.stdout, (
+        result.stdout + result.stderr)

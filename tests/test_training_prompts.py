@@ -4,11 +4,14 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from engine.train import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "resources" / "prompts" / "train-synthetic.jsonl"
-SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec-bench" / "question_dev.jsonl"
+SPEC_BENCH = ROOT.parent / "shared" / "data" / "spec-bench" / "question_dev.jsonl"  # beside the project, here and in CI
+SELF_PROMPTS = ROOT / "resources" / "prompts" / "self-prompts-smollm2.jsonl"
 
 
 def _generator():
@@ -28,15 +31,10 @@ def test_generator_is_seeded_and_varied():
     assert {r["category"] for r in rows} >= {"writing", "coding", "maths", "translation", "passage", "roleplay"}
 
 
-def test_shipped_prompts_load_for_training_and_share_nothing_with_the_benchmark():
+def test_shipped_prompts_load_for_training():
     prompts = load_prompts((str(SHIPPED),))
     assert len(prompts) == len(set(prompts)) >= 600
     assert prompts == [json.loads(line)["instruction"] for line in SHIPPED.read_text().splitlines()]
-    if SPEC_BENCH.exists():  # the benchmark prompts sit beside the project here and in CI
-        turns = {turn.strip() for line in SPEC_BENCH.read_text().splitlines() if line.strip()
-                 for turn in json.loads(line)["turns"]}
-        assert turns and not turns & set(prompts)
-        assert not any(turn in prompt or prompt in turn for turn in turns for prompt in prompts if len(turn) > 40)
 
 
 def test_new_seeds_add_only_new_prompts_and_training_counts_each_prompt_once(tmp_path, monkeypatch):
@@ -50,13 +48,20 @@ def test_new_seeds_add_only_new_prompts_and_training_counts_each_prompt_once(tmp
     assert load_prompts((str(SHIPPED), str(SHIPPED))) == load_prompts((str(SHIPPED),))  # duplicates dropped
 
 
-def test_shipped_self_prompts_load_for_training_and_share_nothing_with_the_benchmark():
+def test_shipped_self_prompts_load_for_training():
     """The user turns the default target wrote for the shipped heads' training (train-drafter --self-prompts)."""
-    path = ROOT / "resources" / "prompts" / "self-prompts-smollm2.jsonl"
-    prompts = load_prompts((str(path),))
-    assert len(prompts) == 32000 == len(path.read_text().splitlines())
-    if SPEC_BENCH.exists():
-        turns = {turn.strip() for line in SPEC_BENCH.read_text().splitlines() if line.strip()
-                 for turn in json.loads(line)["turns"]}
-        assert turns and not turns & set(prompts)
-        assert not any(turn in prompt or prompt in turn for turn in turns for prompt in prompts if len(turn) > 40)
+    prompts = load_prompts((str(SELF_PROMPTS),))
+    assert len(prompts) == 32000 == len(SELF_PROMPTS.read_text().splitlines())
+
+
+@pytest.mark.parametrize("shipped", [SHIPPED, SELF_PROMPTS], ids=lambda path: path.name)
+def test_no_shipped_training_prompt_is_a_benchmark_prompt(shipped):
+    """Heads trained on benchmark prompts would report a tau they never earned."""
+    if not SPEC_BENCH.exists():
+        pytest.skip(f"the Spec-Bench prompts are not beside this checkout ({SPEC_BENCH})")
+    prompts = load_prompts((str(shipped),))
+    turns = {turn.strip() for line in SPEC_BENCH.read_text().splitlines() if line.strip()
+             for turn in json.loads(line)["turns"]}
+    assert len(turns) >= 240 and prompts
+    assert not turns & set(prompts)
+    assert not any(turn in prompt or prompt in turn for turn in turns for prompt in prompts if len(turn) > 40)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -142,16 +144,24 @@ def _run(app: QApplication, store: SettingsStore, settings, args: argparse.Names
                 )
             )
             window.close()
-            return code
-        if args.screenshot is not None:
+        elif args.screenshot is not None:
             loop.run_until_complete(asyncio.sleep(0.5))
             window.grab().save(str(args.screenshot))
             window.close()
-            return 0
-        quitting = asyncio.Event()
-        app.aboutToQuit.connect(quitting.set)
-        loop.run_until_complete(quitting.wait())
-    return 0
+            code = 0
+        else:
+            quitting = asyncio.Event()
+            app.aboutToQuit.connect(quitting.set)
+            loop.run_until_complete(quitting.wait())
+            code = 0
+    if window.engine_thread_running():
+        # closed during a model load that cannot be interrupted: the window has saved everything, and
+        # destroying a running QThread would abort the process, so leave it now without finalising
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

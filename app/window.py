@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,8 @@ from app.plots import StepPlots, summary_text
 from app.selftest_view import SelftestDialog
 from app.settings import AppSettings, SettingsDialog, SettingsStore, config_dir, method_label
 from app.worker import SELFTEST_TRIALS, EngineFactory, GenerateRequest, LoadInfo, SelftestRequest, WorkerThread
+
+log = logging.getLogger(__name__)
 
 FLUSH_MS = 33  # at most ~30 redraws/s however fast tokens arrive
 AUTOSAVE_MS = 1000
@@ -628,8 +631,15 @@ class MainWindow(QMainWindow):
         stored = self._qsettings()
         stored.setValue("geometry", self.saveGeometry())
         stored.setValue("splitter", self.splitter.saveState())
-        self._thread.stop()
+        stored.sync()
+        if not self._thread.stop():
+            log.warning("closing while a model load cannot be interrupted; the app leaves without it")
         super().closeEvent(event)
+
+    def engine_thread_running(self) -> bool:
+        """After closing: whether the model thread is still inside a load it could not stop (app.main
+        then leaves the process at once, since destroying a running QThread aborts it)."""
+        return self._thread.thread.isRunning()
 
 
 def _title_from(text: str) -> str:

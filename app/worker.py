@@ -79,6 +79,10 @@ class _SelftestCancelled(Exception):
     pass
 
 
+class _Closing(Exception):
+    """The app is closing: a model load stops at its next progress report."""
+
+
 class EngineWorker(QObject):
     """Lives on its own QThread (see `WorkerThread`); slots run there, one at a time."""
 
@@ -104,6 +108,7 @@ class EngineWorker(QObject):
         self._engine: Engine | None = None
         self._engine_settings: ModelSettings | None = None
         self._ids = itertools.count(1)
+        self.closing = threading.Event()  # set by WorkerThread.stop, from the GUI thread
         self.request_load.connect(self.load)
         self.request_generate.connect(self.generate)
         self.request_selftest.connect(self.selftest)
@@ -197,15 +202,24 @@ class EngineWorker(QObject):
         """The loaded engine, or the user-readable reason it could not be loaded."""
         self._engine = None  # free the old models before loading new ones
         self._engine_settings = None
+
+        def progress(message: str, fraction: float | None) -> None:
+            if self.closing.is_set():
+                raise _Closing
+            self.progress.emit(message, fraction)
+
         try:
-            engine = self._factory(settings, self.progress.emit)
-        except EngineError as exc:
-            self.load_failed.emit(str(exc))
-            return str(exc)
+            engine = self._factory(settings, progress)
         except Exception as exc:
-            log.exception("model load failed")
-            self.load_failed.emit(f"{type(exc).__name__}: {exc}")
-            return f"{type(exc).__name__}: {exc}"
+            if self.closing.is_set():
+                return "the app is closing"  # _Closing, or whatever a loader made of it: nobody waits
+            if isinstance(exc, EngineError):
+                message = str(exc)
+            else:
+                log.exception("model load failed")
+                message = f"{type(exc).__name__}: {exc}"
+            self.load_failed.emit(message)
+            return message
         self._engine, self._engine_settings = engine, settings
         report = engine.compatibility
         self.loaded.emit(
@@ -231,6 +245,11 @@ class WorkerThread(QObject):
         self.worker.moveToThread(self.thread)
         self.thread.start()
 
-    def stop(self, timeout_ms: int = 10_000) -> None:
+    def stop(self, timeout_ms: int = 3_000) -> bool:
+        """Stop a model load at its next progress report, end the thread's event loop and join it.
+        Generations and self-tests are cancelled by their own flags. False when the thread is still
+        inside work that cannot be interrupted (a load between two progress reports) after timeout_ms:
+        then this QThread must not be destroyed while it runs (Qt aborts the process)."""
+        self.worker.closing.set()
         self.thread.quit()
-        self.thread.wait(timeout_ms)
+        return self.thread.wait(timeout_ms)

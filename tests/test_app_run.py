@@ -177,3 +177,53 @@ def test_headless_main_rejects_a_method_the_models_do_not_offer(app_dirs, tmp_pa
     )
     assert run.returncode == 1
     assert "'medusa' is not available" in run.stderr and "ar, lookup, draft, tree" in run.stderr
+
+
+def _loading_until(release, progress_every_s: float | None):
+    """A model load that lasts until `release` is set (or 60 s), reporting progress every
+    `progress_every_s` seconds (None: never, like a long step of a real load)."""
+    import time
+
+    def factory(settings, progress):
+        progress("Loading a big model", None)
+        deadline = time.monotonic() + 60
+        while not release.is_set() and time.monotonic() < deadline:
+            time.sleep(progress_every_s or 0.05)
+            if progress_every_s is not None:
+                progress("Loading a big model", None)
+        return tiny_factory()(settings, progress)
+
+    return factory
+
+
+def test_closing_during_a_load_stops_it_at_its_next_progress_report(qtbot, make_window):
+    import threading
+
+    release = threading.Event()
+    window = make_window(_loading_until(release, progress_every_s=0.05), preload=True)
+    qtbot.waitUntil(lambda: "Loading a big model" in window.statusBar().currentMessage(), timeout=10_000)
+    window.close()
+    stopped = not window.engine_thread_running()
+    release.set()  # whatever happened, let the fake load end
+    assert stopped  # the load raised at its next report; the thread ended and the window could close
+
+
+CLOSE_DURING_LOAD = (
+    "import sys, threading; from PySide6.QtCore import QTimer; from PySide6.QtWidgets import QApplication; "
+    "from app.main import main; from tests.test_app_run import _loading_until; "
+    "QApplication([]); QTimer.singleShot(1500, lambda: [w.close() for w in QApplication.topLevelWidgets() "
+    "if w.windowTitle() == 'SpecLens']); "
+    "code = main([], engine_factory=_loading_until(threading.Event(), progress_every_s=None)); "
+    "print('main returned', code)"
+)
+
+
+def test_closing_during_a_load_that_cannot_stop_leaves_cleanly(app_dirs):
+    """A load between two progress reports cannot be interrupted: the app must not wait for it (the
+    fake one never ends) nor destroy its running thread (Qt aborts the process: exit 134)."""
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
+    run = subprocess.run([sys.executable, "-c", CLOSE_DURING_LOAD], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "main returned" not in run.stdout  # it left at once, without finalising a running thread
+    assert "closing while a model load cannot be interrupted" in run.stderr

@@ -75,17 +75,65 @@ def _steps_json(steps: tuple[StepEvent, ...] | list[StepEvent]) -> str:
     return json.dumps([[getattr(s, f) for f in _STEP_FIELDS] for s in steps], separators=(",", ":"))
 
 
+# Writes run on the GUI thread: when another program holds the file's lock (a database browser), a
+# write gives up after this long and the window says so, rather than freezing for sqlite's default 5 s.
+LOCK_TIMEOUT_S = 1.0
+
+
+def _open(target: Path | str) -> sqlite3.Connection:
+    """A connection to a checked history database; sqlite3.DatabaseError (not OperationalError) when the
+    file is not one or is damaged."""
+    db = sqlite3.connect(target, isolation_level=None, timeout=LOCK_TIMEOUT_S)  # autocommit; explicit txns
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("PRAGMA foreign_keys=ON")
+        (check,) = db.execute("PRAGMA quick_check").fetchone()
+        if check != "ok":
+            raise sqlite3.DatabaseError(f"damaged database: {check}")
+        db.executescript(SCHEMA)
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def _move_aside(path: Path) -> Path:
+    """Rename an unreadable database (and its WAL files) out of the way, keeping it for recovery."""
+    target = path.with_name(f"{path.name}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
+    for suffix in ("", "-wal", "-shm"):
+        part = Path(f"{path}{suffix}")
+        if part.exists():
+            part.rename(f"{target}{suffix}")
+    return target
+
+
 class HistoryStore:
-    """Used from the GUI thread only (sqlite connections are not shared across threads)."""
+    """Used from the GUI thread only (sqlite connections are not shared across threads).
+
+    A file that is not a database, or a damaged one, is moved aside (`moved_aside`) and a new history
+    started; a locked or unwritable one raises sqlite3.OperationalError (the window then keeps this
+    session's chats in memory, `HistoryStore.in_memory`)."""
 
     def __init__(self, path: Path | None = None) -> None:
-        self.path = path or data_dir() / "history.sqlite3"
+        self.path: Path | None = path or data_dir() / "history.sqlite3"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, isolation_level=None)  # autocommit; explicit txns
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.executescript(SCHEMA)
+        self.moved_aside: Path | None = None
+        try:
+            self._db = _open(self.path)
+        except sqlite3.OperationalError:  # locked, read-only, ...: the file may be fine, so leave it be
+            raise
+        except sqlite3.DatabaseError:
+            self.moved_aside = _move_aside(self.path)
+            self._db = _open(self.path)
+
+    @classmethod
+    def in_memory(cls) -> HistoryStore:
+        """A history for this session only, for when the file cannot be opened (path None)."""
+        store = cls.__new__(cls)
+        store.path, store.moved_aside = None, None
+        store._db = _open(":memory:")
+        return store
 
     def close(self) -> None:
         self._db.close()
@@ -118,6 +166,24 @@ class HistoryStore:
         return row[0] if row else ""
 
     # -- messages --------------------------------------------------------------------------------
+
+    def start_exchange(self, conversation_id: int | None, title: str, user_text: str, meta: str) -> tuple[int, int]:
+        """In one transaction, all or nothing: the conversation (a new one titled `title` when
+        conversation_id is None), the user's message and the assistant's empty, incomplete answer.
+        Returns (conversation id, the answer's message id)."""
+        now = time.time()
+        with self._db:
+            self._db.execute("BEGIN")
+            if conversation_id is None:
+                conversation_id = int(self._db.execute(
+                    "INSERT INTO conversations (title, created, updated) VALUES (?, ?, ?)", (title, now, now)
+                ).lastrowid)
+            insert = ("INSERT INTO messages (conversation_id, role, content, meta, complete, created)"
+                      " VALUES (?, ?, ?, ?, ?, ?)")
+            self._db.execute(insert, (conversation_id, "user", user_text, "", 1, now))
+            answer = self._db.execute(insert, (conversation_id, "assistant", "", meta, 0, now)).lastrowid
+            self._db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
+        return conversation_id, int(answer)
 
     def add_message(
         self, conversation_id: int, role: str, content: str, *, complete: bool = True, meta: str = ""

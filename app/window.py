@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import sqlite3
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,7 +93,7 @@ class MainWindow(QMainWindow):
         self.setWindowTitle("SpecLens")
         self.settings_store = settings_store or SettingsStore()
         self.settings = settings or self.settings_store.load()
-        self.history = history or HistoryStore()
+        self.history, history_problem = (history, "") if history else _open_history()
         self._thread = WorkerThread(engine_factory, self)
         self.worker = self._thread.worker
         self._answer: _Answer | None = None
@@ -108,6 +110,8 @@ class MainWindow(QMainWindow):
         self._closing = False
 
         self._build_ui()
+        if history_problem:
+            self.show_error(history_problem)
         self._connect_worker()
         self._flush = qthrottled(self._flush_now, timeout=FLUSH_MS, leading=True, parent=self)
         self._autosave = QTimer(self, interval=AUTOSAVE_MS)
@@ -265,16 +269,20 @@ class MainWindow(QMainWindow):
         text = text.strip()
         if not text or self.busy:
             return False
-        if self._conversation_id is None:
-            self._conversation_id = self.history.create_conversation(_title_from(text))
-            self._refresh_conversations()
-        self.history.add_message(self._conversation_id, "user", text)
-        self.chat.add_message(Message("user", text))
         snapshot = self.settings
-        history = tuple((m.role, m.text) for m in self.chat.messages if m.text)
-        request = self.worker.new_request(snapshot.model_settings(), history, snapshot.generation_config())
         meta = _meta_line(snapshot, None)
-        message_id = self.history.add_message(self._conversation_id, "assistant", "", complete=False, meta=meta)
+        new_conversation = self._conversation_id is None
+        try:
+            self._conversation_id, message_id = self.history.start_exchange(
+                self._conversation_id, _title_from(text), text, meta)
+        except sqlite3.Error as exc:
+            self._history_failed("your message", exc, "Nothing was sent: press Send again once it can be.")
+            return False
+        if new_conversation:
+            self._refresh_conversations()
+        self.chat.add_message(Message("user", text))
+        context = model_context(self.chat.messages)
+        request = self.worker.new_request(snapshot.model_settings(), context, snapshot.generation_config())
         self._answer = _Answer(request, message_id, snapshot, [], [])
         self.chat.begin_answer(meta + " · generating…")
         self.plots.clear()
@@ -362,7 +370,12 @@ class MainWindow(QMainWindow):
         self._conversation_id = conversation_id
         self._answer_steps.clear()
         messages = []
-        for stored in self.history.messages(conversation_id):
+        try:
+            stored_messages = self.history.messages(conversation_id)
+        except sqlite3.Error as exc:
+            self.show_error(f"Could not read this chat from the history ({exc}).")
+            return
+        for stored in stored_messages:
             error = stored.error or ("" if stored.complete else "(interrupted)")
             if stored.steps:
                 self._answer_steps[len(messages)] = (stored.steps, stored.meta)
@@ -448,10 +461,13 @@ class MainWindow(QMainWindow):
         if answer.summary and answer.summary.stop_reason == "cancelled":
             error = error or "(stopped)"
         message = Message("assistant", text, tuple(answer.tokens), meta, error)
-        self.history.update_message(
-            answer.message_id, text, answer.tokens, answer.steps, meta=meta, error=error, complete=True
-        )
         self.chat.finish_answer(message)
+        try:
+            self.history.update_message(
+                answer.message_id, text, answer.tokens, answer.steps, meta=meta, error=error, complete=True
+            )
+        except sqlite3.Error as exc:
+            self._history_failed("the answer", exc, "It stays in this window until you open another chat.")
         caption = summary_text(answer.summary) if answer.summary else meta
         self._answer_steps[len(self.chat.messages) - 1] = (tuple(answer.steps), caption)
         if answer.steps:
@@ -517,12 +533,21 @@ class MainWindow(QMainWindow):
         if answer is None or len(answer.tokens) == answer.saved_tokens:
             return
         text = "".join(t.text for t in answer.tokens)
-        self.history.update_message(answer.message_id, text, answer.tokens, answer.steps, complete=False)
+        try:
+            self.history.update_message(answer.message_id, text, answer.tokens, answer.steps, complete=False)
+        except sqlite3.Error as exc:
+            self._history_failed("the answer so far", exc, "It is tried again in a moment.")
+            return
         answer.saved_tokens = len(answer.tokens)
 
     def show_error(self, message: str) -> None:
         self.error_banner.setText(message)
         self.error_banner.show()
+
+    def _history_failed(self, what: str, exc: sqlite3.Error, consequence: str) -> None:
+        where = self.history.path or "memory"
+        self.show_error(f"Could not save {what} to the chat history ({exc}; {where}). {consequence} "
+                        "Is another program using the history file?")
 
     def _set_busy(self, busy: bool) -> None:
         self.send_button.setEnabled(not busy)
@@ -554,7 +579,12 @@ class MainWindow(QMainWindow):
     def _refresh_conversations(self) -> None:
         self.conversation_list.blockSignals(True)
         self.conversation_list.clear()
-        for conversation in self.history.conversations():
+        try:
+            conversations = self.history.conversations()
+        except sqlite3.Error as exc:
+            conversations = []
+            self.show_error(f"Could not read the list of chats from the history ({exc}).")
+        for conversation in conversations:
             item = QListWidgetItem(conversation.title)
             item.setData(Qt.ItemDataRole.UserRole, conversation.id)
             item.setToolTip(conversation.title)
@@ -591,11 +621,18 @@ class MainWindow(QMainWindow):
     def _rename(self, cid: int, current: str) -> None:
         title, ok = QInputDialog.getText(self, "Rename conversation", "Title:", text=current)
         if ok and title.strip():
-            self.history.rename(cid, title.strip())
+            try:
+                self.history.rename(cid, title.strip())
+            except sqlite3.Error as exc:
+                self._history_failed("the new title", exc, "The chat keeps its old one.")
             self._refresh_conversations()
 
     def delete_conversation(self, cid: int) -> None:
-        self.history.delete(cid)
+        try:
+            self.history.delete(cid)
+        except sqlite3.Error as exc:
+            self._history_failed("the deletion", exc, "The chat is still there.")
+            return
         if cid == self._conversation_id:
             self.new_conversation()
         self._refresh_conversations()
@@ -605,8 +642,11 @@ class MainWindow(QMainWindow):
         default = f"{_title_from(self.history.title(cid))}.{kind}"
         path, _ = QFileDialog.getSaveFileName(self, "Export conversation", default, suffix)
         if path:
-            text = self.history.export_markdown(cid) if kind == "md" else self.history.export_json(cid)
-            Path(path).write_text(text, encoding="utf-8")
+            try:
+                text = self.history.export_markdown(cid) if kind == "md" else self.history.export_json(cid)
+                Path(path).write_text(text, encoding="utf-8")
+            except (sqlite3.Error, OSError) as exc:
+                self.show_error(f"Could not export the chat to {path}: {exc}")
 
     def _qsettings(self) -> QSettings:
         return QSettings(str(config_dir() / "window.ini"), QSettings.Format.IniFormat)
@@ -640,6 +680,32 @@ class MainWindow(QMainWindow):
         """After closing: whether the model thread is still inside a load it could not stop (app.main
         then leaves the process at once, since destroying a running QThread aborts it)."""
         return self._thread.thread.isRunning()
+
+
+def _open_history() -> tuple[HistoryStore, str]:
+    """The history file, and what to tell the user when it could not be used as it was."""
+    try:
+        store = HistoryStore()
+    except (sqlite3.Error, OSError) as exc:
+        return HistoryStore.in_memory(), (f"The chat history could not be opened ({exc}); this session's chats "
+                                          "are kept only until SpecLens closes.")
+    if store.moved_aside is not None:
+        return store, (f"The chat history file could not be read, so a new one was started; the old file "
+                       f"was kept as {store.moved_aside}.")
+    return store, ""
+
+
+def model_context(messages: Sequence[Message]) -> tuple[tuple[str, str], ...]:
+    """The (role, text) turns the model is given: every message with text, except a user turn whose
+    answer failed before its first token (the model did not load, say), which would otherwise be sent
+    again with every later question."""
+    turns = []
+    for i, message in enumerate(messages):
+        answer = messages[i + 1] if i + 1 < len(messages) else None
+        unanswered = answer is not None and answer.role == "assistant" and not answer.text and answer.error
+        if message.text and not (message.role == "user" and unanswered):
+            turns.append((message.role, message.text))
+    return tuple(turns)
 
 
 def _title_from(text: str) -> str:

@@ -140,3 +140,65 @@ def test_messages_saved_before_tokens_had_a_proposer_still_load(app_dirs):
     (message,) = HistoryStore().messages(cid)
     assert message.tokens == (TokenEvent(7, "Hi", "draft_accepted", 0, 0, 0.5, 0.4),)
     assert message.tokens[0].proposer is None
+
+
+def test_an_unreadable_history_is_moved_aside_and_a_new_one_started(qtbot, make_window, app_dirs):
+    _, data = app_dirs
+    data.mkdir(parents=True)
+    (data / "history.sqlite3").write_bytes(b"not a database at all, " * 200)
+    window = make_window(tiny_factory())
+    (kept,) = data.glob("history.sqlite3.unreadable-*")
+    assert kept.read_bytes().startswith(b"not a database at all")  # nothing deleted
+    assert window.error_banner.isVisible() and str(kept) in window.error_banner.text()
+    message = send_and_wait(qtbot, window, "one two three")
+    assert message.text and not message.error
+    (conversation,) = HistoryStore().conversations()  # the new file works
+
+
+def test_a_history_that_cannot_be_opened_keeps_this_session_in_memory(qtbot, make_window, app_dirs):
+    _, data = app_dirs
+    (data / "history.sqlite3").mkdir(parents=True)  # sqlite cannot open a folder: OperationalError
+    window = make_window(tiny_factory())
+    assert window.history.path is None and "kept only until SpecLens closes" in window.error_banner.text()
+    message = send_and_wait(qtbot, window, "one two three")
+    assert message.text and len(window.history.messages(window._conversation_id)) == 2
+    assert (data / "history.sqlite3").is_dir()  # left as it was
+
+
+def test_a_locked_history_loses_nothing_and_never_leaves_the_window_busy(qtbot, make_window):
+    window = make_window(tiny_factory(step_delay_s=0.02),
+                         settings=AppSettings(method="draft", draft="tiny", k=3, max_new_tokens=24, adaptive_k=False))
+    send_and_wait(qtbot, window, "first question")
+    locker = sqlite3.connect(window.history.path, isolation_level=None)
+    locker.execute("BEGIN IMMEDIATE")  # another program holds the write lock
+    try:
+        assert not window.send_message("typed while locked")  # refused: it could not be saved
+        assert "Nothing was sent" in window.error_banner.text() and not window.busy
+        assert "typed while locked" not in window.chat.toPlainText()
+        window.error_banner.hide()
+        locker.execute("COMMIT")
+        with qtbot.waitSignal(window.answer_finished, timeout=60_000) as finished:
+            assert window.send_message("second question")
+            locker.execute("BEGIN IMMEDIATE")  # taken while the answer streams, held past its end
+        answer = finished.args[0]
+        assert not window.busy and window.send_button.isEnabled() and not window.stop_button.isEnabled()
+        assert "Could not save the answer" in window.error_banner.text()
+        assert answer.text and window.chat.messages[-1] == answer  # on screen
+        assert "generating…" not in window.chat.toPlainText()
+    finally:
+        locker.execute("COMMIT")
+        locker.close()
+    stored = [m.role for m in window.history.messages(window._conversation_id)]
+    assert stored == ["user", "assistant", "user", "assistant"]  # the refused message left no trace
+
+
+def test_a_question_whose_answer_failed_is_not_sent_again():
+    from app.chat_view import Message
+    from app.window import model_context
+
+    messages = [Message("user", "first"), Message("assistant", "", error="Could not load the model: gone"),
+                Message("user", "second"), Message("assistant", "an answer"),
+                Message("user", "third"), Message("assistant", "half an ans", error="(stopped)"),
+                Message("user", "fourth")]
+    assert model_context(messages) == (("user", "second"), ("assistant", "an answer"), ("user", "third"),
+                                       ("assistant", "half an ans"), ("user", "fourth"))

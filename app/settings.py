@@ -68,6 +68,8 @@ def method_label(method: str) -> str:
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda", "mps")
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 MAX_K = 16
+MAX_NEW_TOKENS = 8192
+MAX_SEED = 2**31 - 1  # what the dialog's spin box holds
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,11 @@ class AppSettings:
     tree_budget: int = 0  # draft-tree nodes of the EAGLE / Medusa methods; 0 = by device (CPU: up to 4, cut; GPU: 32)
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # a hand-edited file can hold any TOML type
+            value, kind = getattr(self, f.name), type(getattr(AppSettings, f.name))
+            numeric = kind is float and isinstance(value, int) and not isinstance(value, bool)
+            if not (type(value) is kind or numeric):
+                raise ValueError(f"{f.name} must be {kind.__name__}, got {value!r}")
         # any well-formed name: only the loaded engine knows which methods it offers
         if not isinstance(self.method, str) or not _METHOD_NAME.fullmatch(self.method):
             raise ValueError(f"method must be a method name such as 'lookup', got {self.method!r}")
@@ -94,8 +101,10 @@ class AppSettings:
             raise ValueError("adaptive_k must be true or false")
         if not 1 <= self.k <= MAX_K:
             raise ValueError(f"K must be in 1..{MAX_K}, got {self.k}")
-        if self.max_new_tokens < 1:
-            raise ValueError("max new tokens must be >= 1")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"max new tokens must be in 1..{MAX_NEW_TOKENS}, got {self.max_new_tokens}")
+        if not -1 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in -1..{MAX_SEED} (-1: a fresh seed per message), got {self.seed}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
@@ -125,15 +134,18 @@ class AppSettings:
         )
 
     @classmethod
-    def from_dict(cls, data: dict) -> AppSettings:
-        """Build from a (possibly old or hand-edited) mapping: unknown keys are ignored and a bad
-        value falls back to the default for the whole file, rather than refusing to start."""
-        known = {f.name for f in fields(cls)}
-        kept = {key: value for key, value in data.items() if key in known}
-        try:
-            return cls(**kept)
-        except (TypeError, ValueError):
-            return cls()
+    def from_dict(cls, data: dict) -> tuple[AppSettings, tuple[str, ...]]:
+        """Build from a (possibly old or hand-edited) mapping, key by key: a bad value keeps that
+        setting's default and the others are kept. Returns the settings and one line per value
+        ignored; keys this version does not know are passed over silently (older or newer files)."""
+        settings, ignored = cls(), []
+        for f in fields(cls):
+            if f.name in data:
+                try:
+                    settings = replace(settings, **{f.name: data[f.name]})
+                except ValueError as exc:
+                    ignored.append(f"{f.name} = {data[f.name]!r}: {exc}")
+        return settings, tuple(ignored)
 
 
 def needs_reload(loaded: ModelSettings | None, wanted: ModelSettings) -> bool:
@@ -164,13 +176,31 @@ class SettingsStore:
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or config_dir() / "settings.toml"
+        self.problems: tuple[str, ...] = ()  # what the last load could not use, for the window to say
 
     def load(self) -> AppSettings:
+        """The stored settings (defaults where there are none). A file that cannot be read, or has
+        values that cannot be used, is first copied to settings.toml.bak: the next save rewrites it."""
         try:
-            with self.path.open("rb") as f:
-                return AppSettings.from_dict(tomllib.load(f))
-        except (OSError, tomllib.TOMLDecodeError):
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            self.problems = ()
             return AppSettings()
+        except OSError as exc:
+            self.problems = (f"could not read it: {exc}",)
+            return AppSettings()
+        try:
+            settings, self.problems = AppSettings.from_dict(tomllib.loads(raw.decode("utf-8")))
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            settings, self.problems = AppSettings(), (f"not valid TOML ({exc}); every setting is at its default",)
+        if self.problems:
+            backup = self.path.with_suffix(".toml.bak")
+            try:
+                backup.write_bytes(raw)
+                self.problems += (f"the file as it was is kept as {backup}",)
+            except OSError:
+                pass
+        return settings
 
     def save(self, settings: AppSettings) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -283,9 +313,9 @@ class SettingsDialog(QDialog):
         self.top_k = QSpinBox(minimum=0, maximum=1000)
         self.top_k.setSpecialValueText("off")
         self.top_p = QDoubleSpinBox(minimum=0.01, maximum=1.0, singleStep=0.05, decimals=2)
-        self.seed = QSpinBox(minimum=-1, maximum=2**31 - 1)
+        self.seed = QSpinBox(minimum=-1, maximum=MAX_SEED)
         self.seed.setSpecialValueText("random")
-        self.max_new_tokens = QSpinBox(minimum=1, maximum=8192, singleStep=64)
+        self.max_new_tokens = QSpinBox(minimum=1, maximum=MAX_NEW_TOKENS, singleStep=64)
         self.device = QComboBox()
         self.device.addItems(DEVICES)
         self.dtype = QComboBox()

@@ -110,8 +110,12 @@ class MainWindow(QMainWindow):
         self._closing = False
 
         self._build_ui()
-        if history_problem:
-            self.show_error(history_problem)
+        problems = [history_problem] if history_problem else []
+        if self.settings_store.problems:
+            problems.append(f"Some settings in {self.settings_store.path} could not be used and are at their "
+                            f"defaults: {'; '.join(self.settings_store.problems)}.")
+        if problems:
+            self.show_error("\n".join(problems))
         self._connect_worker()
         self._flush = qthrottled(self._flush_now, timeout=FLUSH_MS, leading=True, parent=self)
         self._autosave = QTimer(self, interval=AUTOSAVE_MS)

@@ -68,10 +68,17 @@ def test_settings_round_trip_and_bad_file(app_dirs):
                          device="cpu", dtype="float32", tree_budget=12)
     store.save(chosen)
     assert SettingsStore().load() == chosen
-    store.path.write_text("k = 99\nmethod = 'ar'\n")  # out of range: fall back, don't crash
-    assert store.load() == AppSettings()
+    # a bad value keeps its own default; the rest of the file is kept, and the file as it was is backed up
+    bad = "k = 99\nmethod = 'ar'\ntop_p = 0\nseed = 1099511627776\nmax_new_tokens = 4.5\nadaptive_k = 1\ntemperature = 1\n"
+    store.path.write_text(bad)
+    assert store.load() == AppSettings(method="ar", temperature=1.0)
+    assert [line.split(" =")[0] for line in store.problems[:-1]] == ["k", "top_p", "seed", "max_new_tokens",
+                                                                     "adaptive_k"]
+    assert store.path.with_suffix(".toml.bak").read_text() == bad and ".bak" in store.problems[-1]
     store.path.write_text("not [ toml")
-    assert store.load() == AppSettings()
+    assert store.load() == AppSettings() and "not valid TOML" in store.problems[0]
+    store.save(chosen)
+    assert store.load() == chosen and store.problems == ()
     with pytest.raises(ValueError):
         AppSettings(k=17)
     with pytest.raises(ValueError, match="tree nodes"):
@@ -164,3 +171,13 @@ def test_position_and_histogram_axes_show_drafts_past_k(qtbot):
     plots.set_steps([step(0, 8, 8, 9, 0.1), step(1, 3, 1, 11, 0.2)])
     assert plots.positions.getPlotItem().vb.viewRange()[0] == pytest.approx([-0.6, 7.6])
     assert plots.histogram.getPlotItem().vb.viewRange()[0] == pytest.approx([-0.6, 8.6])
+
+
+def test_the_window_says_which_stored_settings_it_could_not_use(make_window, app_dirs):
+    config, _ = app_dirs
+    config.mkdir(parents=True)
+    (config / "settings.toml").write_text("k = 40\nmethod = 'lookup'\n")
+    window = make_window(tiny_factory())
+    assert window.settings == AppSettings(method="lookup")
+    assert window.error_banner.isVisible()
+    assert "k = 40" in window.error_banner.text() and "settings.toml.bak" in window.error_banner.text()

@@ -311,7 +311,7 @@ def eagle_top_k(budget: int) -> int:
     """Children per expanded node (and nodes expanded per depth) of the dynamic EAGLE tree for a budget:
     10 from 32 nodes, as EAGLE-2 grows its 60-token trees. On the Spec-Bench dev prompts with eagle13, 10
     against 8 gave tau 2.72 against 2.68 at 32 nodes and depth 4, and 2.93 against 2.89 at 64 nodes and
-    depth 6 (README, Benchmarks)."""
+    depth 6 (README, "Wide trees")."""
     return 10 if budget >= 32 else 4 if budget >= 8 else 2
 
 

@@ -142,7 +142,10 @@ def generate(
     method = drafter.name if drafter else "ar"
     params = config.sampling
     generator = torch.Generator(device=target.device)
-    generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+    if config.seed is None:
+        generator.seed()  # a fresh seed for this generator alone; torch's global one is left as it was
+    else:
+        generator.manual_seed(config.seed)
     ids = list(prompt_ids)
     eos = set(eos_ids)
     detok = IncrementalDetokenizer(tokenizer, ids)
@@ -169,26 +172,15 @@ def generate(
         if cancel is not None and cancel.is_set():
             stop_reason = "cancelled"
             break
-        # never draft past max_new_tokens: the step emits up to k + 1 tokens
+        # never draft past max_new_tokens: the step emits up to k + 1 tokens (grafted chains excepted)
         k = min(draft_length, config.max_new_tokens - len(new_ids) - 1)
         if k > 0 and drafter is not None:
             step = step_with_drafter(target, drafter, ids, k, params, generator)
         else:
             step = speculative_step(target, None, ids, 0, params, generator)
         steps += 1
-        drafted += step.drafted
-        accepted += step.accepted
-        for i in range(step.drafted):
-            if i >= len(position_drafted):
-                position_drafted.append(0)
-                position_accepted.append(0)
-            position_drafted[i] += 1
-            position_accepted[i] += i < step.accepted
         if config.adaptive_k and step.drafted:
             draft_length = next_draft_length(draft_length, step.drafted, step.accepted, config.k)
-        if step.accepted >= len(histogram):
-            histogram.extend([0] * (step.accepted + 1 - len(histogram)))
-        histogram[step.accepted] += 1
 
         emitted = 0
         for pos, token in enumerate(step.tokens):
@@ -213,11 +205,25 @@ def generate(
                 stop_reason, done = "max_new_tokens", True
             if done:
                 break
+        step_drafted, step_accepted = step.drafted, step.accepted
+        if emitted < len(step.tokens):  # cut short (EOS, a stop string): the drafts after the cut were not used
+            step_drafted, step_accepted = min(step.drafted, emitted), min(step.accepted, emitted)
+        drafted += step_drafted
+        accepted += step_accepted
+        for i in range(step_drafted):
+            if i >= len(position_drafted):
+                position_drafted.append(0)
+                position_accepted.append(0)
+            position_drafted[i] += 1
+            position_accepted[i] += i < step_accepted
+        if step_accepted >= len(histogram):
+            histogram.extend([0] * (step_accepted + 1 - len(histogram)))
+        histogram[step_accepted] += 1
         yield StepEvent(
             step=steps,
             k=k,
-            drafted=step.drafted,
-            accepted=step.accepted,
+            drafted=step_drafted,
+            accepted=step_accepted,
             emitted=emitted,
             draft_s=step.draft_s,
             verify_s=step.verify_s,

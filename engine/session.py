@@ -48,7 +48,7 @@ PREFERENCE = ("eagle_lookup", "eagle", "medusa", "tree", "draft", "lookup", "ar"
 # What loading a corrupt or mismatched weights file raises (safetensors has its own error type).
 UNREADABLE_WEIGHTS = (OSError, RuntimeError, KeyError, ValueError, SafetensorError)
 
-MAX_TREE_BUDGET = 128  # draft-tree nodes a head method may verify per step
+MAX_TREE_BUDGET = 128  # the head's draft-tree nodes per step (eagle_lookup's grafted chains come on top)
 
 
 class EngineError(RuntimeError):

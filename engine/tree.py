@@ -25,7 +25,7 @@ from engine.drafters.lookup import PromptLookupDrafter, chain_acceptance, valued
 from engine.sampling import SamplingParams, process_logits
 from engine.verify import tree_children, verify_tree, verify_tree_greedy
 
-# Medusa's small default-like shape: two candidates at depth 1, then mostly the top candidate.
+# Medusa's small default-like shape: three candidates at depth 1, then mostly the top candidate.
 DEFAULT_TREE_PATHS: tuple[tuple[int, ...], ...] = (
     (0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0),
 )
@@ -141,7 +141,7 @@ class TreeDrafter(Protocol):
     def propose_tree(
         self, ids: list[int], depth: int, params: SamplingParams, generator: torch.Generator | None
     ) -> DraftTree:
-        """A tree of depth <= depth below ids[-1]."""
+        """A tree of depth <= depth below ids[-1] (LookupGraftedDrafter's chains keep their own lengths)."""
 
     def commit(self, ids: list[int]) -> None: ...
 
@@ -357,6 +357,9 @@ class LookupGraftedDrafter:
     A chain is `lookup_tokens` or `store_tokens` long (None: the draft depth). A lookup chain longer
     than the head's tree costs a few extra nodes and pays where the answer copies its context for
     many tokens; a datastore chain is a guess from set phrases and is right for only a token or two.
+    So these trees can be deeper than the `depth` asked (the head's depth) and hold up to
+    lookup_tokens + store_tokens nodes beyond the head's budget; near max_new_tokens the decoding loop
+    emits only what it may, so the deepest nodes of the last step can be verified for nothing.
 
     With `step_cost`, the merged tree keeps the nodes worth verifying (keep_worthwhile): the head's
     nodes are worth their cumulative draft probability, a chain's its measured acceptance for the

@@ -259,3 +259,35 @@ def test_incremental_detokenizer_matches_full_decode():
     ids = tok(text)["input_ids"]
     detok = IncrementalDetokenizer(tok)
     assert "".join(detok.add(i) for i in ids) == tok.decode(ids)
+
+
+def test_a_step_cut_short_counts_only_the_drafts_it_used():
+    """eagle_lookup's lookup chain may reach past max_new_tokens (its own length); the step is cut there,
+    and the statistics count the accepted drafts that were emitted, as accepted_by does."""
+    from engine.drafters.eagle import EagleDrafter, EagleHead
+    from engine.session import LOOKUP_CHAIN_TOKENS, STORE_CHAIN_TOKENS
+    from engine.tree import LookupGraftedDrafter
+
+    target_model = tiny_llama(seed=0)
+    torch.manual_seed(4)
+    head = EagleHead.for_target(target_model.config)
+    prompt = tiny_tokenizer()("Paris Rome")["input_ids"]
+    prompt = prompt + hf_greedy(target_model, prompt, 9)  # the greedy answer repeats: lookup's chain is right
+    target = CachedModel(target_model)
+    drafter = LookupGraftedDrafter(EagleDrafter(head, target, None, top_k=2, budget=4), "eagle_lookup", None,
+                                   LOOKUP_CHAIN_TOKENS, STORE_CHAIN_TOKENS)
+    events = list(generate(target, tiny_tokenizer(), prompt, GenerationConfig(k=4, max_new_tokens=2), drafter))
+    (step,), summary = [e for e in events if isinstance(e, StepEvent)], events[-1]
+    assert list(summary.token_ids) == hf_greedy(target_model, prompt, 2)
+    assert step.emitted == 2 and step.accepted == 2 == summary.accepted == sum(n for _, n in summary.accepted_by)
+    assert step.drafted == summary.drafted == 2 and summary.accepted_length_histogram == (0, 0, 1)
+    assert summary.per_position_acceptance == (1.0, 1.0)
+
+
+def test_an_unseeded_generation_leaves_torchs_global_generator_alone(target_model):
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    list(generate(CachedModel(target_model), tiny_tokenizer(), prompt_ids(),
+                  GenerationConfig(max_new_tokens=3, seed=None, sampling=SamplingParams(temperature=1.0))))
+    assert torch.equal(torch.rand(3), expected)

@@ -4,6 +4,7 @@ A vocabulary of 8 makes the target's exact law of the first 4 tokens enumerable 
 The same check is shown to fail when verification is swapped for a broken sampler.
 """
 
+import dataclasses
 import itertools
 
 import pytest
@@ -16,10 +17,13 @@ from engine.decode import GenerationConfig, generate
 from engine.drafters import StepCost
 from engine.drafters.datastore import Datastore
 from engine.drafters.draft_model import DraftModelDrafter
+from engine.drafters.eagle import EagleDrafter, EagleHead
+from engine.drafters.medusa import MedusaDrafter, MedusaHeads
 from engine.events import Summary
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, process_logits
 from engine.selftest import chi_square_p_value
-from engine.tree import DraftModelTreeDrafter, LookupGraftedDrafter
+import engine.tree
+from engine.tree import CHAIN_PATHS, DraftModelTreeDrafter, LookupGraftedDrafter, TreeShape
 from tests.broken_samplers import resample_from_target
 from tests.tiny import tiny_llama
 
@@ -37,12 +41,17 @@ def models():
     return tiny_llama(seed=3, vocab=VOCAB), tiny_llama(seed=4, layers=1, vocab=VOCAB)
 
 
-def exact_marginals(model) -> torch.Tensor:
-    """[N_TOKENS, V] exact law of each emitted position under plain sampling from the target."""
+def exact_marginals(model, params: SamplingParams = PARAMS) -> torch.Tensor:
+    """[N_TOKENS, V] exact law of each emitted position under plain sampling from the target with `params`
+    (penalties and warpers applied to each step's logits given the tokens before it)."""
     seqs = torch.tensor(list(itertools.product(range(VOCAB), repeat=N_TOKENS)))  # [V^N, N]
     inputs = torch.cat([torch.tensor(PROMPT).expand(len(seqs), -1), seqs[:, :-1]], dim=1)
     with torch.inference_mode():
         logits = model(inputs).logits[:, len(PROMPT) - 1 :]  # [V^N, N, V]
+    if params != PARAMS:
+        empty = torch.zeros(0, dtype=torch.long)
+        logits = torch.stack([torch.cat([process_logits(logits[i, j : j + 1], params, inputs[i, : len(PROMPT) + j], empty)
+                                         for j in range(N_TOKENS)]) for i in range(len(seqs))])
     step_probs = logits.double().softmax(-1).gather(-1, seqs[..., None])[..., 0]  # [V^N, N]
     joint = step_probs.prod(-1)  # [V^N]
     return torch.stack([torch.zeros(VOCAB, dtype=torch.float64).index_add_(0, seqs[:, j], joint)
@@ -110,6 +119,74 @@ def test_check_fails_with_a_broken_verifier(models, monkeypatch):
     monkeypatch.setattr(decode, "verify_chain", resample_from_target)
     counts = sampled_counts(models, CONFIG, trials=3000)
     assert not law_matches(counts, exact_marginals(models[0]))
+
+
+# top-k, top-p and a repetition penalty together: what a user's settings can combine
+WARPED = SamplingParams(temperature=2.5, top_k=5, top_p=0.9, repetition_penalty=1.5)
+
+
+def _random_eagle(target, lm, shape):
+    torch.manual_seed(4)
+    head = EagleHead.for_target(target.config)
+    with torch.no_grad():
+        for weight in head.parameters():
+            if weight.dim() > 1:
+                weight.normal_(0, 0.3)  # confident, often wrong drafts: many rejections to get right
+    return EagleDrafter(head, lm, shape, top_k=3, budget=6)
+
+
+def _random_medusa(target, lm):
+    torch.manual_seed(3)
+    heads = MedusaHeads(target.config.hidden_size, VOCAB, num_heads=3)
+    with torch.no_grad():
+        for weight in heads.parameters():
+            weight.normal_(0, 0.5)
+    return MedusaDrafter(heads, lm, TreeShape.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]))
+
+
+WARPED_DRAFTERS = {
+    "draft_chain": lambda target, draft, lm: DraftModelDrafter(CachedModel(draft)),
+    "sampled_tree": lambda target, draft, lm: DraftModelTreeDrafter(
+        CachedModel(draft), TreeShape.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])),
+    "eagle_chain": lambda target, draft, lm: _random_eagle(target, lm, TreeShape.from_paths(CHAIN_PATHS)),
+    "eagle_dynamic": lambda target, draft, lm: _random_eagle(target, lm, None),
+    "medusa": lambda target, draft, lm: _random_medusa(target, lm),
+}
+
+
+def _warped_counts(models, name, trials=3000):
+    target, draft = models
+    lm = CachedModel(target)
+    drafter = WARPED_DRAFTERS[name](target, draft, lm)
+    config = GenerationConfig(method=name, k=3, max_new_tokens=N_TOKENS, sampling=WARPED)
+    counts = torch.zeros(N_TOKENS, VOCAB, dtype=torch.float64)
+    for seed in range(trials):
+        summary = list(generate(lm, SilentTokenizer(), PROMPT, dataclasses.replace(config, seed=seed), drafter))[-1]
+        for j, token in enumerate(summary.token_ids):
+            counts[j, token] += 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def warped_law(models):
+    return exact_marginals(models[0], WARPED)
+
+
+@pytest.mark.parametrize("name", sorted(WARPED_DRAFTERS))
+def test_every_drafter_is_exact_under_top_k_top_p_and_repetition_penalty(models, warped_law, name):
+    """Chains, sampled trees (siblings without replacement), EAGLE and Medusa heads at temperature 2.5
+    with every processor on: the drafts come from warped draft distributions, and verification must
+    still give the target's warped law."""
+    assert law_matches(_warped_counts(models, name), warped_law)
+
+
+def test_warped_check_fails_when_verification_forgets_the_warpers(models, warped_law, monkeypatch):
+    """A tree step that scores the target without top-p and the repetition penalty (the drafter still
+    warps): the law drifts and the same check rejects it."""
+    original = engine.tree.tree_scores
+    monkeypatch.setattr(engine.tree, "tree_scores", lambda logits, params, *rest: original(
+        logits, dataclasses.replace(params, top_p=1.0, repetition_penalty=1.0), *rest))
+    assert not law_matches(_warped_counts(models, "eagle_dynamic"), warped_law)
 
 
 def test_adaptive_k_never_changes_greedy_output(models):

@@ -718,8 +718,10 @@ def _title_from(text: str) -> str:
 
 
 def _meta_line(settings: AppSettings, summary: Summary | None) -> str:
-    method = settings.method if settings.method == "ar" else f"{settings.method}, K={settings.k}"
-    if settings.method != "ar" and settings.adaptive_k:
+    # once answered, the method that ran ("auto" resolves to the loaded models' best)
+    name = summary.method if summary is not None and summary.method else settings.method
+    method = name if name == "ar" else f"{name}, K={settings.k}"
+    if name != "ar" and settings.adaptive_k:
         method += " (adaptive)"
     parts = [method, f"T={settings.temperature:g}"]
     if summary is not None:

@@ -225,6 +225,9 @@ def load_model(source: str, options: LoadOptions = LoadOptions(), progress: Prog
         if source == DEFAULT_MODEL:
             # A damaged cache is rebuilt rather than left to fail every start.
             shutil.rmtree(default_model_dir(), ignore_errors=True)
+        if "gguf_file" in extra:  # the GGUF reader's own errors (a codec, a struct size) say nothing to users
+            raise ModelLoadError(f"Could not load {name}: {path} is not a valid, complete GGUF file, or holds an "
+                                 f"architecture transformers cannot read from GGUF ({_first_line(exc)})") from exc
         raise ModelLoadError(f"Could not load {name}: {_first_line(exc)}") from exc
     if not use_offload:
         model.to(device)

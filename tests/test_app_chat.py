@@ -181,3 +181,11 @@ def test_enter_sends_and_shift_enter_adds_a_newline(qtbot, make_window):
         qtbot.keyClick(window.input, Qt.Key.Key_Return)
     assert window.input.toPlainText() == ""
     assert window.chat.messages[0].text == "line one\nline two"
+
+
+def test_an_answer_names_the_method_that_ran_not_auto(qtbot, make_window):
+    window = make_window(tiny_factory())
+    assert window.settings.method == "auto"
+    message = send_and_wait(qtbot, window, "one two three")
+    ran = message.meta.split(" · ")[0].split(",")[0]
+    assert ran != "auto" and ran in window._loaded.methods

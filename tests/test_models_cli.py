@@ -1,5 +1,6 @@
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -56,6 +57,26 @@ def test_corrupt_model_is_a_clear_error(tmp_path, model_folder):
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 100)
     with pytest.raises(ModelLoadError, match="Could not load"):
         load_model(str(tmp_path))
+
+
+def test_a_damaged_gguf_file_is_a_clear_error(tmp_path):
+    import gguf
+
+    whole = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(whole), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.ones((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[:50])  # a download that stopped early
+    for damaged in (cut, tmp_path / "noise.gguf"):
+        if damaged.name == "noise.gguf":
+            damaged.write_bytes(bytes(range(256)) * 40)
+        with pytest.raises(ModelLoadError, match="is not a valid, complete GGUF file"):
+            load_model(str(damaged))
 
 
 def test_cli_reports_load_errors(tmp_path, capsys):

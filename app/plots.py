@@ -35,7 +35,7 @@ def _plot(title: str, x_label: str, y_label: str, y_units: str | None = None) ->
         item.getAxis(axis).enableAutoSIPrefix(False)
         item.getAxis(axis).setTextPen("#4b5563")
         item.getAxis(axis).setPen("#9ca3af")
-    widget.setMinimumSize(220, 150)
+    widget.setMinimumSize(240, 150)  # the acceptance plot's two axes and titles fit
     return widget
 
 
@@ -83,7 +83,7 @@ class StepPlots(QWidget):
         self.tau = _plot("Mean accepted length τ", "step", "tokens per target pass")
         self._tau_curve = self.tau.plot(pen=pg.mkPen("#7c3aed", width=2))
 
-        self.positions = _plot("Acceptance by draft position", "draft position", "P(accepted)")
+        self.positions = _plot("Acceptance by position", "draft position", "P(accepted)")
         self.positions.setYRange(0, 1.05)
         self._position_bars = pg.BarGraphItem(x=[], height=[], width=0.7, brush=ACCEPT, pen=None)
         self.positions.addItem(self._position_bars)

@@ -446,8 +446,10 @@ class SettingsDialog(QDialog):
             tree_budget=self.tree_budget.value(),
         )
 
-    def show_report(self, ok: bool, lines: tuple[str, ...] | list[str]) -> None:
-        verdict = "✓ The pair is compatible." if ok else "✗ The pair is not usable as it is."
+    def show_report(self, ok: bool | None, lines: tuple[str, ...] | list[str]) -> None:
+        """ok None: a single model, no pair to check."""
+        verdict = {True: "✓ The pair is compatible.", False: "✗ The pair is not usable as it is.",
+                   None: "✓ Loaded (one model: no draft model to check against it)."}[ok]
         self.report.setPlainText("\n".join([verdict, *lines]))
 
     def _select_method(self, method: str) -> None:

@@ -565,7 +565,8 @@ class MainWindow(QMainWindow):
 
     def _show_settings_in_status(self) -> None:
         s = self.settings
-        self.status_method.setText(f"Method: {method_label(s.method)}")
+        self.status_method.setText(f"Method: {s.method}")  # short: the status bar also shows messages
+        self.status_method.setToolTip(method_label(s.method))
         self.status_k.setText(f"K ≤ {s.k} (adaptive)" if s.adaptive_k else f"K = {s.k}")
         self.status_k.setVisible(s.method != "ar")
 
@@ -576,7 +577,7 @@ class MainWindow(QMainWindow):
     @staticmethod
     def _show_report(dialog: SettingsDialog, info: LoadInfo) -> None:
         if info.compat_ok is None:
-            dialog.show_report(True, (f"Loaded {info.description}.", "Single model: nothing to check."))
+            dialog.show_report(None, (info.description,))
         else:
             dialog.show_report(info.compat_ok, info.compat_lines)
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from app.settings import CATALOG, AppSettings, SettingsDialog, SettingsStore, needs_reload
+from app.settings import CATALOG, AppSettings, SettingsDialog, SettingsStore, method_label, needs_reload
 from app.stats import diff_tokens, step_series
 from engine.events import StepEvent
 from engine.session import ModelSettings
@@ -129,6 +129,14 @@ def test_settings_dialog_round_trip_and_catalog(qtbot):
         "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", "draft")
     dialog.show_report(False, ("vocabularies differ",))
     assert "vocabularies differ" in dialog.report.toPlainText()
+    dialog.show_report(None, ("SmolLM2-135M-Instruct (cpu)",))  # one model: nothing claimed about a pair
+    assert "compatible" not in dialog.report.toPlainText() and "one model" in dialog.report.toPlainText()
+
+
+def test_the_status_bar_names_the_method_briefly(make_window):
+    window = make_window(tiny_factory())
+    assert window.status_method.text() == "Method: auto"
+    assert window.status_method.toolTip() == method_label("auto")
 
 
 def test_summary_names_the_proposers_only_when_several_drafted():

@@ -64,7 +64,7 @@ class Run:
     category: str
     tokens: tuple[int, ...]
     seconds: float
-    steps: int | None  # target verify passes (ours); None for HF methods
+    steps: int | None  # target passes that emitted tokens (HF's counted with a forward hook)
     position_drafted: tuple[int, ...] = ()
     position_accepted: tuple[int, ...] = ()
     accepted_by: tuple[tuple[str, int], ...] = ()  # accepted draft tokens per proposer
@@ -74,7 +74,7 @@ class Run:
 class MethodResult:
     tokens_per_s: float
     speedup_vs_ar: float | None
-    tau: float | None  # mean accepted length, counting the correction/bonus token; None for HF
+    tau: float | None  # mean accepted length (new tokens per target pass), counting the correction/bonus token
     equal_to_ar: bool | None  # token-for-token equality with our `ar` at temperature 0, else None
     per_position_acceptance: tuple[float, ...]
     new_tokens: int
@@ -217,11 +217,18 @@ def run_hf(engine, method: str, ids: list[int], options: BenchOptions, seed: int
             sync(device)
             prefill_s = time.perf_counter() - start
         torch.manual_seed(seed)
-        start = time.perf_counter()
-        out = model.generate(input_ids, generation_config=config, **assistant)
-        sync(device)
-        seconds = max(time.perf_counter() - start - prefill_s, 1e-9)
-    return Run(method, -1, "", tuple(out[0, len(ids):].tolist()), seconds, None)
+        # the target's forwards: the first also reads the prompt's last token (which ours counts as its
+        # first step), then one per step, a verification in assisted and lookup generation
+        passes = []
+        counter = model.register_forward_pre_hook(lambda module, args: passes.append(1))
+        try:
+            start = time.perf_counter()
+            out = model.generate(input_ids, generation_config=config, **assistant)
+            sync(device)
+            seconds = max(time.perf_counter() - start - prefill_s, 1e-9)
+        finally:
+            counter.remove()
+    return Run(method, -1, "", tuple(out[0, len(ids):].tolist()), seconds, max(len(passes), 1))
 
 
 def pick_threads(engine, ids: list[int], steps: int = 6) -> dict[int, float]:
@@ -471,7 +478,7 @@ def write_chart(report: BenchReport, path: str | Path) -> None:
     import pyqtgraph as pg
     from pyqtgraph.exporters import ImageExporter
 
-    pg.mkQApp()
+    app = pg.mkQApp()
     names = list(report.methods)
     rates = [report.methods[n].tokens_per_s for n in names]
     colours = ["#888888" if n == "ar" else "#d08030" if n.startswith("hf_") else "#3070c0" for n in names]
@@ -485,9 +492,13 @@ def write_chart(report: BenchReport, path: str | Path) -> None:
         plot.addItem(label)
     plot.getAxis("bottom").setTicks([list(enumerate(names))])
     plot.setLabel("left", "tokens / s")
-    plot.setTitle(f"{report.settings['target']}, {report.device}", color="k")
+    plot.setTitle(f"{report.settings['target']}: tokens/s and speedup over plain decoding", color="k", size="10pt")
+    plot.setXRange(-0.5, len(names) - 0.5, padding=0.02)  # every name under its own bar
     plot.setYRange(0, max(rates) * 1.2 if rates else 1)
+    plot.show()  # laid out at its size before export; offscreen, nothing appears
+    app.processEvents()
     ImageExporter(plot.plotItem).export(str(path))
+    plot.close()
 
 
 # --- command line ----------------------------------------------------------------------------

@@ -280,11 +280,11 @@ def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
         head = EagleHead.load(folder)
     except UNREADABLE_WEIGHTS as exc:
         raise EngineError(f"Could not load the heads in {folder}: {exc}") from exc
-    if head.config.hidden_size != text_config.hidden_size:
-        raise EngineError(
-            f"The EAGLE head in {folder} has width {head.config.hidden_size}, the target {text_config.hidden_size}: "
-            "it was trained for another model."
-        )
+    for what, own, target_value in (("width", head.config.hidden_size, text_config.hidden_size),
+                                     ("vocabulary", head.config.vocab_size, text_config.vocab_size)):
+        if own != target_value:
+            raise EngineError(f"The EAGLE head in {folder} has {what} {own}, the target {target_value}: "
+                              "it was trained for another model.")
     tree = EagleDrafter(head, target, top_k=eagle_top_k(budget), budget=budget, step_cost=cost)
     return {
         "eagle": tree,

@@ -318,6 +318,67 @@ def test_eagle_save_load_roundtrip(tmp_path, target_model):
         torch.testing.assert_close(loaded(x, f, torch.arange(5), mask), head(x, f, torch.arange(5), mask))
 
 
+def test_a_public_eagle1_checkpoint_loads_and_drafts_exactly(tmp_path, target_model):
+    """SafeAILab's EAGLE-1 layout (its cnets.Model state dict in float16 as pytorch_model.bin): `layers.0.*`
+    with no input norm on that layer (its output of fc goes to attention as it is), a copy of
+    `embed_tokens`, and fc with or without a bias. It loads, computes what that model computes, and drafts
+    for plain decoding's exact output."""
+    import json
+
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from engine.session import Engine, EngineError
+    from tests.tiny import loaded
+
+    reference = _random_eagle(target_model, seed=7)
+    config = {**target_model.config.to_dict(), "num_hidden_layers": 1, "architectures": ["LlamaForCausalLM"]}
+    for bias in (True, False):
+        state = {"fc.weight": reference.fc.weight, "embed_tokens.weight": torch.randn(
+            target_model.config.vocab_size, target_model.config.hidden_size)}
+        if bias:
+            state["fc.bias"] = reference.fc.bias
+        state |= {f"layers.0.{k}": v for k, v in reference.layer.state_dict().items() if "input_layernorm" not in k}
+        folder = tmp_path / f"eagle-bias-{bias}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        torch.save({k: v.detach().half() for k, v in state.items()}, folder / "pytorch_model.bin")
+
+        head = EagleHead.load(folder)
+        assert not head.has_input_norm
+        h = target_model.config.hidden_size
+        torch.manual_seed(2)
+        x, f, positions = torch.randn(5, h), torch.randn(5, h), torch.arange(5)
+        mask = torch.ones(5, 5, dtype=torch.bool).tril()
+        with torch.no_grad():  # EAGLE-1's forward: fc, then the decoder layer without its input norm
+            layer = reference.layer
+            layer.input_layernorm, norm = torch.nn.Identity(), layer.input_layernorm
+            weights = {k: v.half().float() for k, v in reference.state_dict().items() if "input_layernorm" not in k}
+            as_stored = EagleHead.for_target(target_model.config)
+            as_stored.layer.input_layernorm = torch.nn.Identity()
+            as_stored.load_state_dict({**weights, **({} if bias else {"fc.bias": torch.zeros(h)})})
+            hidden = as_stored.fc(torch.cat([x, f], -1))[None]
+            additive = torch.zeros(5, 5).masked_fill(~mask, torch.finfo(torch.float32).min)[None, None]
+            rotary = LlamaRotaryEmbedding(as_stored.config)(hidden, positions[None])
+            want = as_stored.layer(hidden, attention_mask=additive, position_ids=positions[None],
+                                   position_embeddings=rotary)
+            want = want[0] if isinstance(want, tuple) else want
+            layer.input_layernorm = norm
+            torch.testing.assert_close(head(x, f, positions, mask), want[0], atol=1e-4, rtol=1e-4)
+
+        engine = Engine(loaded(target_model, "tiny"), heads=(str(folder),))
+        ids = _prompt_ids()
+        plain = list(engine.generate_ids(ids, GenerationConfig(method="ar", max_new_tokens=30)))[-1]
+        for method in ("eagle", "eagle_chain", "eagle_lookup"):
+            summary = list(engine.generate_ids(ids, GenerationConfig(method=method, k=3, max_new_tokens=30)))[-1]
+            assert summary.token_ids == plain.token_ids, (bias, method)
+    wrong = tmp_path / "other-vocabulary"
+    wrong.mkdir()
+    (wrong / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 8}))
+    torch.save({k: v.half() for k, v in state.items() if k != "embed_tokens.weight"}, wrong / "pytorch_model.bin")
+    with pytest.raises(EngineError, match="vocabulary"):
+        Engine(loaded(target_model, "tiny"), heads=(str(wrong),))
+
+
 def _draft_vocab_eagle(model):
     head = _random_eagle(model)
     head.draft_vocab = torch.arange(0, model.config.vocab_size, 3)  # a third of the vocabulary

@@ -93,7 +93,8 @@ class EagleHead(nn.Module):
         q_proj = self.layer.self_attn.q_proj
         memo = getattr(self, "_native", None)
         if memo is None or memo[0] is not q_proj:
-            fits = decoder_layers_fit([self.layer], self.config)
+            # the native decoder always normalises its input; a public EAGLE-1 head has no input norm
+            fits = decoder_layers_fit([self.layer], self.config) and self.has_input_norm
             memo = self._native = (q_proj, decoder_weights([self.layer]) if fits else None)
         return memo[1]
 
@@ -116,8 +117,15 @@ class EagleHead(nn.Module):
         cache.advance(end)
         return out
 
+    @property
+    def has_input_norm(self) -> bool:
+        return not isinstance(self.layer.input_layernorm, nn.Identity)
+
     @classmethod
     def load(cls, folder: str | Path) -> EagleHead:
+        """A head saved by `save`, or a public EAGLE-1 checkpoint for a Llama-family target (SafeAILab's
+        layout: `layers.0.*`, its own copy of `embed_tokens`, which the target's replaces, no input norm
+        on that first layer, and an `fc` with or without a bias)."""
         folder = Path(folder)
         head = cls(LlamaConfig(**json.loads((folder / "config.json").read_text())))
         if (folder / "model.safetensors").exists():
@@ -127,6 +135,12 @@ class EagleHead(nn.Module):
         else:
             state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
         draft_vocab = state.pop("draft_vocab", None)
+        state = {("layer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
+                 for k, v in state.items() if k != "embed_tokens.weight"}
+        if "layer.input_layernorm.weight" not in state:  # EAGLE-1 feeds fc's output to attention as it is
+            head.layer.input_layernorm = nn.Identity()
+        if "fc.bias" not in state:
+            state["fc.bias"] = torch.zeros_like(head.fc.bias)
         head.load_state_dict(state)
         if draft_vocab is not None:
             if draft_vocab.dim() != 1 or not 0 < len(draft_vocab) <= head.config.vocab_size:

@@ -56,6 +56,21 @@ def test_every_method_greedy_equals_plain_decoding(engine):
         assert result.token_ids == plain.token_ids, method
 
 
+def test_draft_model_methods_greedy_equal_plain_decoding_on_the_default_pair(engine):
+    """`draft` and `tree` need a second model: the default model drafting for itself, which should accept
+    nearly every draft, and must still give plain decoding's tokens."""
+    from engine.models import DEFAULT_MODEL
+
+    paired = Engine.load(ModelSettings(draft=DEFAULT_MODEL))
+    assert {"draft", "tree"} <= set(paired.methods)
+    ids = paired.encode_chat([{"role": "user", "content": "List the days of the week."}])
+    plain = summary_of(engine, ids, "ar", n=32)
+    for method in ("draft", "tree"):
+        result = summary_of(paired, ids, method, k=4, n=32)
+        assert result.token_ids == plain.token_ids, method
+        assert result.accepted > 0, method
+
+
 def test_verification_scores_every_token_exactly_as_plain_decoding(engine):
     """Where the native kernels are built the default model's forward is batch invariant: the logits of
     an eagle_lookup tree's nodes equal, bit for bit, those plain decoding computes for the same tokens,

@@ -125,13 +125,14 @@ def test_check_fails_with_a_broken_verifier(models, monkeypatch):
 WARPED = SamplingParams(temperature=2.5, top_k=5, top_p=0.9, repetition_penalty=1.5)
 
 
-def _random_eagle(target, lm, shape):
+def _random_eagle(target, lm, shape, draft_vocab=None):
     torch.manual_seed(4)
     head = EagleHead.for_target(target.config)
     with torch.no_grad():
         for weight in head.parameters():
             if weight.dim() > 1:
                 weight.normal_(0, 0.3)  # confident, often wrong drafts: many rejections to get right
+    head.draft_vocab = draft_vocab
     return EagleDrafter(head, lm, shape, top_k=3, budget=6)
 
 
@@ -150,6 +151,8 @@ WARPED_DRAFTERS = {
         CachedModel(draft), TreeShape.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])),
     "eagle_chain": lambda target, draft, lm: _random_eagle(target, lm, TreeShape.from_paths(CHAIN_PATHS)),
     "eagle_dynamic": lambda target, draft, lm: _random_eagle(target, lm, None),
+    # drafts from 5 of the 8 tokens: q is 0 elsewhere, and exactness must not depend on it
+    "eagle_dynamic_draft_vocab": lambda target, draft, lm: _random_eagle(target, lm, None, torch.tensor([0, 2, 3, 5, 6])),
     "medusa": lambda target, draft, lm: _random_medusa(target, lm),
 }
 

@@ -44,6 +44,34 @@ def test_cli_draft_model_matches_plain(model_folder, capsys):
     assert outputs[0] == outputs[1]
 
 
+def test_cli_head_and_tree_methods_match_plain_with_the_same_jsonl(model_folder, tmp_path, capsys):
+    """`generate --method {eagle,eagle_chain,medusa} --drafter DIR` and `--method tree --draft MODEL` print
+    the same JSONL as the other methods, and greedy, the same tokens as plain decoding."""
+    from engine.drafters.eagle import EagleHead
+    from engine.drafters.medusa import MedusaHeads
+
+    target = tiny_llama(seed=0)
+    torch.manual_seed(4)
+    EagleHead.for_target(target.config).save(tmp_path / "eagle")
+    MedusaHeads(target.config.hidden_size, target.config.vocab_size, num_heads=3).save(tmp_path / "medusa")
+    common = ["generate", "--target", str(model_folder), "--prompt", "one two three one two", "-k", "3",
+              "--max-new-tokens", "16", "--jsonl"]
+    runs = {}
+    for name, extra in {"ar": ["--method", "ar"],
+                        # an asked budget is verified whole: a CPU would cut random heads' trees to nothing
+                        "eagle": ["--method", "eagle", "--drafter", str(tmp_path / "eagle"), "--tree-budget", "6"],
+                        "eagle_chain": ["--method", "eagle_chain", "--drafter", str(tmp_path / "eagle")],
+                        "medusa": ["--method", "medusa", "--drafter", str(tmp_path / "medusa"), "--tree-budget", "6"],
+                        "tree": ["--method", "tree", "--draft", str(model_folder)]}.items():
+        assert main(common + extra) == 0, name
+        runs[name] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    keys = {name: (frozenset(tuple(sorted(t)) for t in lines[:-1]), tuple(sorted(lines[-1]))) for name, lines in runs.items()}
+    assert len(set(keys.values())) == 1, keys  # one token schema and one summary schema for every method
+    ids = {name: [t["id"] for t in lines[:-1]] for name, lines in runs.items()}
+    assert all(ids[name] == ids["ar"] for name in ids), ids
+    assert all(runs[name][-1]["drafted"] > 0 for name in ("eagle", "eagle_chain", "medusa", "tree")), {n: r[-1]["drafted"] for n, r in runs.items()}
+
+
 def test_missing_model_is_a_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match="No model at"):
         load_model(str(tmp_path / "nowhere" / "model"))

@@ -43,7 +43,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 KINDS = ("eagle", "medusa", "datastore")
-SAMPLE_TEMPERATURE = 0.7  # temperature of the extra (sampled) distilled answers
 SAVE_EVERY_S = 300.0  # distilled data is saved at most this often (and after the last batch)
 
 
@@ -62,7 +61,8 @@ class TrainOptions:
     max_prompts: int = 100_000
     held_out: int = 20  # prompts kept for the tau evaluation
     answer_tokens: int = 160  # length of the target's distilled answers
-    sampled_answers: int = 0  # extra answers per prompt, sampled at SAMPLE_TEMPERATURE
+    sampled_answers: int = 0  # extra answers per prompt, sampled at sample_temperatures in turn
+    sample_temperatures: tuple[float, ...] = (0.7,)  # answer v (1..sampled_answers) at [(v - 1) % len]
     batch_size: int = 32  # prompts per distillation batch
     epochs: int = 10
     lr: float = 6e-4  # peak; linear warm-up over 5% of the steps, then cosine decay to 10%
@@ -224,7 +224,8 @@ def distil(model, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], options
     saved = time.perf_counter()
     for n, (variant, batch) in enumerate(bar, start=1):
         start = time.perf_counter()
-        rows = _distil_batch(model, [prompt_ids[i] for _, i in batch], eos_ids, options, sample=variant > 0)
+        temperature = options.sample_temperatures[(variant - 1) % len(options.sample_temperatures)] if variant else None
+        rows = _distil_batch(model, [prompt_ids[i] for _, i in batch], eos_ids, options, temperature)
         for (_, i), row in zip(batch, rows):
             done.append({"prompt": torch.tensor(i), "variant": torch.tensor(variant), **row})
         # The whole file is rewritten each time, so on a fast GPU saving after every batch would
@@ -239,7 +240,8 @@ def distil(model, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], options
 
 
 def _distil_batch(model, prompts: list[list[int]], eos_ids: tuple[int, ...], options: TrainOptions,
-                  sample: bool) -> list[dict]:
+                  temperature: float | None) -> list[dict]:
+    """The target's answers to `prompts`: greedy, or sampled at `temperature`."""
     import torch
 
     pad = eos_ids[0]
@@ -249,8 +251,8 @@ def _distil_batch(model, prompts: list[list[int]], eos_ids: tuple[int, ...], opt
     for row, ids in enumerate(prompts):
         input_ids[row, width - len(ids) :] = torch.tensor(ids)
         attention[row, width - len(ids) :] = 1
-    decoding = {"do_sample": True, "temperature": SAMPLE_TEMPERATURE, "top_k": 0, "top_p": 1.0} if sample else {
-        "do_sample": False}
+    decoding = {"do_sample": False} if temperature is None else {
+        "do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
     with torch.inference_mode():
         out = model.generate(
             input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
@@ -677,7 +679,9 @@ def evaluate_drafters(model, tokenizer, prompt_ids: list[list[int]], eos_ids: tu
 
 
 def _sampled_phrase(options: TrainOptions) -> str:
-    return (f" plus {options.sampled_answers} answer(s) sampled at temperature {SAMPLE_TEMPERATURE}"
+    temperatures = options.sample_temperatures[: options.sampled_answers]
+    return (f" plus {options.sampled_answers} answer(s) sampled at temperature "
+            f"{', '.join(f'{t:g}' for t in temperatures)}{' in turn' if len(temperatures) > 1 else ''}"
             if options.sampled_answers else "")
 
 
@@ -958,9 +962,21 @@ def _command(options: TrainOptions) -> str:
             continue
         if name in ("init_from_target", "distil_only"):
             words.append(f"--{name.replace('_', '-')}")
+        elif name == "sample_temperatures":
+            words.append(f"--sample-temperatures {','.join(f'{t:g}' for t in value)}")
         else:
             words.append(f"--{name.replace('_', '-')} {value}")
     return " ".join(words)
+
+
+def _temperatures(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(t) for t in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or not all(t > 0 for t in values):
+        raise argparse.ArgumentTypeError(f"give positive temperatures separated by commas, got {text!r}")
+    return values
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -978,6 +994,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--self-prompts", type=int, default=defaults.self_prompts, metavar="N",
                         help="also train on N user prompts the target writes itself (Magpie), kept in OUT/self-prompts.jsonl")
     parser.add_argument("--self-prompt-temperature", type=float, default=defaults.self_prompt_temperature)
+    parser.add_argument("--sample-temperatures", type=_temperatures, default=defaults.sample_temperatures,
+                        metavar="T[,T...]", help="temperatures of the --sampled-answers, in turn "
+                        f"(default {','.join(f'{t:g}' for t in defaults.sample_temperatures)})")
     parser.add_argument("--distil-dtype", choices=("float32", "bfloat16"), default=defaults.distil_dtype,
                         help="dtype of the target copy that writes the prompts and answers and gives the features")
     parser.add_argument("--lr", type=float, default=defaults.lr)

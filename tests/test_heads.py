@@ -612,3 +612,32 @@ def test_corrupt_head_weights_are_a_clear_error(tmp_path, target_model):
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)  # a truncated or damaged download
     with pytest.raises(EngineError, match="Could not load the heads"):
         Engine(loaded(target_model, "tiny-target"), heads=(str(tmp_path),))
+
+
+def test_sampled_answers_take_their_temperatures_in_turn(tmp_path, monkeypatch):
+    import argparse
+
+    from engine import train
+
+    seen = []
+
+    def fake_batch(model, prompts, eos_ids, options, temperature):
+        seen.append((len(prompts), temperature))
+        return [{"tokens": torch.tensor([1, 2, 3]), "features": torch.zeros(3, 4), "answer_start": torch.tensor(1)}
+                for _ in prompts]
+
+    monkeypatch.setattr(train, "_distil_batch", fake_batch)
+    options = train.TrainOptions("eagle", "default", (), str(tmp_path), sampled_answers=3,
+                                 sample_temperatures=(0.5, 1.3), batch_size=10)
+    samples = train.distil(None, [[1, 2], [3, 4]], (0,), options)
+    assert seen == [(2, None), (2, 0.5), (2, 1.3), (2, 0.5)]  # greedy, then the temperatures in turn
+    assert sorted((int(s["prompt"]), int(s["variant"])) for s in samples) == [(p, v) for p in (0, 1) for v in range(4)]
+    assert "sampled at temperature 0.5, 1.3 in turn" in train._sampled_phrase(options)
+    assert "--sampled-answers 3 --sample-temperatures 0.5,1.3" in train._command(options)
+    parser = argparse.ArgumentParser()
+    train.add_train_arguments(parser)
+    common = ["--kind", "eagle", "--prompts", "p.jsonl", "--out", "o"]
+    assert parser.parse_args(common).sample_temperatures == (0.7,)
+    assert parser.parse_args(common + ["--sample-temperatures", "0.5,1.3"]).sample_temperatures == (0.5, 1.3)
+    with pytest.raises(SystemExit):
+        parser.parse_args(common + ["--sample-temperatures", "0,1"])

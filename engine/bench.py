@@ -450,6 +450,8 @@ def markdown(report: BenchReport) -> str:
             f"| {accept} | {r.new_tokens} | {r.seconds:.1f} |"
         )
     names = list(report.methods)
+    lines += ["", "Acceptance by position i: of the steps that drafted more than i tokens, the share that accepted "
+              "more than i (so it can rise with i: steps that reach a deep position tend to be the easy ones)."]
     lines += [
         "",
         "| category | " + " | ".join(names) + " |",
@@ -459,6 +461,7 @@ def markdown(report: BenchReport) -> str:
         cells = [
             f"{results[n].tokens_per_s:.1f} ({_fmt(results[n].speedup_vs_ar, '.2f')}x"
             + (f", tau {results[n].tau:.2f})" if results[n].tau is not None and n != "ar" else ")")
+            + (" NOT EQUAL to ar" if results[n].equal_to_ar is False else "")
             if n in results else "-"
             for n in names
         ]

@@ -188,3 +188,43 @@ def test_a_target_too_slow_to_time_quickly_gets_the_fixed_lookup_cost(monkeypatc
     monkeypatch.setattr(session, "LOOKUP_TIMING_LIMIT_S", 0.0)  # any forward is too slow now
     assert session.measure_lookup_cost(target) == StepCost.linear(session.LOOKUP_CPU_STEP_ROWS)
     assert target.cached_ids == []
+
+
+def test_pick_threads_keeps_the_fastest_count(engine, monkeypatch):
+    """--threads auto: plain decoding is timed at each thread count tried, and the fastest is kept (the
+    timings are fixed here: 2 threads the fastest, as on a busy machine where all cores lose)."""
+    from engine import bench
+    from engine.bench import Run
+
+    seconds_per_token = {1: 0.010, 2: 0.004}
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 4)
+
+    def timed(engine, method, ids, options, seed, max_new):
+        threads = torch.get_num_threads()
+        return Run(method, -1, "", (1,) * max_new, max_new * seconds_per_token.get(threads, 0.020), max_new)
+
+    monkeypatch.setattr(bench, "run_ours", timed)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        rates = bench.pick_threads(engine, [1, 2, 3])
+        assert set(rates) == {1, 2, 4} and rates[2] == pytest.approx(250.0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_markdown_flags_a_category_whose_output_differs_from_plain_decoding():
+    from engine.bench import BenchReport, MethodResult
+
+    def result(equal):
+        return MethodResult(100.0, 1.0, 1.5, equal, (0.5,), 10, 0.1)
+
+    settings = {"target": "t", "draft": "", "num_prompts": 2, "max_new_tokens": 8, "k": 4, "temperature": 0.0}
+    report = BenchReport({"ar": result(True), "lookup": result(False)},
+                         {"code": {"ar": result(True), "lookup": result(False)}, "copy": {"ar": result(True),
+                                                                                          "lookup": result(True)}},
+                         settings, "cpu")
+    rows = {line.split(" |")[0]: line for line in markdown(report).splitlines() if line.startswith("| c")}
+    assert "NOT EQUAL" in rows["| code"] and "NOT EQUAL" not in rows["| copy"]
+    assert "| lookup | 100.0 | 1.00x | 1.50 | NO |" in markdown(report)

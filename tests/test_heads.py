@@ -183,6 +183,9 @@ def test_medusa_draft_vocabulary_scores_only_its_tokens_and_stays_exact(tmp_path
     own.save(tmp_path / "own")
     with pytest.raises(ValueError, match="share the target's LM head"):
         MedusaHeads.load(tmp_path / "own", h, v)
+    # shared heads hold no vocabulary-sized weight, so their config is what says they fit another target
+    with pytest.raises(ValueError, match=f"vocabulary of {v} tokens, the target has {v + 8}"):
+        MedusaHeads.load(tmp_path / "vocab", h, v + 8)
 
 
 def _random_eagle(model, seed=4):

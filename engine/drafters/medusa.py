@@ -77,6 +77,9 @@ class MedusaHeads(nn.ModuleList):
     def load(cls, folder: str | Path, hidden: int, vocab: int) -> MedusaHeads:
         folder = Path(folder)
         config = json.loads((folder / "config.json").read_text())
+        if config.get("vocab_size", vocab) != vocab:  # shared-LM-head files hold no vocabulary-sized weight to catch it
+            raise ValueError(f"these heads were trained for a vocabulary of {config['vocab_size']} tokens, "
+                             f"the target has {vocab}")
         heads = cls(hidden, vocab, config["medusa_num_heads"], config.get("medusa_num_layers", 1),
                     shared_lm_head=bool(config.get("medusa_shared_lm_head", False)))
         if (folder / "model.safetensors").exists():

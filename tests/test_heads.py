@@ -644,3 +644,51 @@ def test_sampled_answers_take_their_temperatures_in_turn(tmp_path, monkeypatch):
     assert parser.parse_args(common + ["--sample-temperatures", "0.5,1.3"]).sample_temperatures == (0.5, 1.3)
     with pytest.raises(SystemExit):
         parser.parse_args(common + ["--sample-temperatures", "0,1"])
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_training_killed_after_an_epoch_resumes_to_the_same_head(tmp_path, target_model, kind, monkeypatch):
+    """A run stopped right after its epoch-1 checkpoint, then started again with the same command, ends
+    with the weights, bit for bit, of a run that was never stopped."""
+    import json
+
+    from engine.cli import main
+
+    model_dir = tmp_path / "tiny-target"
+    target_model.save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"instruction": f"Count to {i}."}) for i in range(8)))
+
+    def args(out):
+        return ["train-drafter", "--kind", kind, "--target", str(model_dir), "--prompts", str(prompts), "--out", str(out),
+                "--held-out", "2", "--answer-tokens", "6", "--epochs", "3", "--eval-tokens", "0", "--depth", "3",
+                "--medusa-heads", "2", "--batch-size", "3", "--tokens-per-step", "16"]
+
+    assert main(args(tmp_path / "whole")) == 0
+    save = torch.save
+
+    class Killed(Exception):
+        pass
+
+    def save_then_die_after_epoch_1(obj, path, *rest, **options):
+        save(obj, path, *rest, **options)
+        if isinstance(obj, dict) and obj.get("epoch") == 1:
+            raise Killed
+
+    monkeypatch.setattr(torch, "save", save_then_die_after_epoch_1)
+    with pytest.raises(Killed):
+        main(args(tmp_path / "stopped"))
+    assert not (tmp_path / "stopped" / "model.safetensors").exists()
+    epochs_saved = []
+
+    def save_and_note(obj, path, *rest, **options):
+        save(obj, path, *rest, **options)
+        if isinstance(obj, dict) and "epoch" in obj:
+            epochs_saved.append(obj["epoch"])
+
+    monkeypatch.setattr(torch, "save", save_and_note)
+    assert main(args(tmp_path / "stopped")) == 0
+    assert epochs_saved == [2, 3]  # it went on from its checkpoint; a fresh start would have redone epoch 1
+    assert ((tmp_path / "stopped" / "model.safetensors").read_bytes()
+            == (tmp_path / "whole" / "model.safetensors").read_bytes())

@@ -56,6 +56,8 @@ METHOD_LABELS = {
 }
 # Methods that need no second model: a configured draft model is only loaded for the others.
 TARGET_ONLY_METHODS = frozenset({"auto", "ar", "lookup", "rest", "eagle", "eagle_chain", "eagle_lookup", "medusa"})
+# Methods that draft with a second model, so a message with no draft model set is refused.
+DRAFT_MODEL_METHODS = frozenset({"draft", "tree"})
 # Resolved by the worker to the loaded engine's best method (Engine.default_method).
 AUTO_METHOD = "auto"
 # Offered before any engine has reported its own list (e.g. settings opened before the first load).

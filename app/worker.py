@@ -22,7 +22,7 @@ from engine.events import StepEvent, Summary, TokenEvent
 from engine.selftest import ChainVerifier, SelftestReport, run_selftest
 from engine.session import Engine, EngineError, ModelSettings
 
-from app.settings import AUTO_METHOD, needs_reload
+from app.settings import AUTO_METHOD, DRAFT_MODEL_METHODS, needs_reload
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,11 @@ class EngineWorker(QObject):
     def generate(self, request: GenerateRequest) -> None:
         try:
             if request.cancel.is_set():
+                return
+            if request.config.method in DRAFT_MODEL_METHODS and request.model.draft is None:
+                # else a draft model loaded for an earlier message would quietly go on drafting
+                self.error.emit(request.id, f"Method '{request.config.method}' drafts with a second model: choose a "
+                                "draft model in Settings, or another method.")
                 return
             engine = self._engine
             if needs_reload(self._engine_settings, request.model):

@@ -133,6 +133,9 @@ HEADLESS = (
 @pytest.mark.parametrize("compare", [False, True])
 def test_headless_main_saves_a_screenshot_and_exits_zero(app_dirs, tmp_path, compare):
     """The real entry point (qasync loop, flags) in its own process, on the tiny engine."""
+    config, _ = app_dirs
+    config.mkdir(parents=True, exist_ok=True)
+    (config / "settings.toml").write_text('draft = "tiny"\n')  # --method draft needs a draft model set
     out, settings_out = tmp_path / "shot.png", tmp_path / "settings.png"
     argv = ["--prompt", "one two three", "--method", "draft", "-k", "3", "--max-new-tokens", "24",
             "--screenshot", str(out), "--screenshot-settings", str(settings_out)]
@@ -227,3 +230,13 @@ def test_closing_during_a_load_that_cannot_stop_leaves_cleanly(app_dirs):
     assert run.returncode == 0, run.stderr[-2000:]
     assert "main returned" not in run.stdout  # it left at once, without finalising a running thread
     assert "closing while a model load cannot be interrupted" in run.stderr
+
+
+def test_a_draft_method_without_a_draft_model_is_refused_not_served_by_the_last_one(qtbot, make_window):
+    window = make_window(tiny_factory())
+    window.apply_settings(AppSettings(method="draft", draft="tiny", k=3, max_new_tokens=8))
+    assert not send_and_wait(qtbot, window, "one two three").error  # the draft model is loaded now
+    window.apply_settings(AppSettings(method="draft", draft="", k=3, max_new_tokens=8))
+    message = send_and_wait(qtbot, window, "one two three")
+    assert "choose a draft model" in message.error and not message.text
+    assert not window.busy and window.send_button.isEnabled()

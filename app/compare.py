@@ -144,6 +144,7 @@ class ComparePanel(QWidget):
         self._cancels: tuple = ()
         self._spec_steps: list[StepEvent] = []
         self._predicted_k: int | None = None
+        self._spec_label = ""  # "K≤4 adaptive, seed 7": the right pane's title after its method
 
         self.prompt = QLineEdit()
         self.prompt.setPlaceholderText("One prompt, run plainly and speculatively with the same seed…")
@@ -212,7 +213,8 @@ class ComparePanel(QWidget):
         self.left.reset()
         self.right.reset()
         k = f"K≤{snapshot.k} adaptive" if snapshot.adaptive_k else f"K={snapshot.k}"
-        self.right.title.setText(f"Speculative ({method}, {k}, seed {seed})")
+        self._spec_label = f"{k}, seed {seed}"
+        self.right.title.setText(f"Speculative ({method}, {self._spec_label})")
         self.left.title.setText(f"Plain autoregressive (seed {seed})")
         self.result.setText("Running the plain baseline, then the speculative decoder…")
         self.started.emit(f"Comparing: plain, then {method} ({k})…")
@@ -243,6 +245,9 @@ class ComparePanel(QWidget):
         if rid in self._requests:
             self._summaries[rid] = summary
             self._requests[rid].show_summary(summary)
+            if self._order and rid == self._order[1] and summary.method:
+                # "auto" resolves to the loaded models' best: name the method that ran
+                self.right.title.setText(f"Speculative ({summary.method}, {self._spec_label})")
 
     def _on_error(self, rid: int, message: str) -> None:
         if rid in self._requests:

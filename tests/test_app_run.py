@@ -63,6 +63,14 @@ def test_compare_gives_no_chain_prediction_for_a_tree_method(qtbot, make_window)
     assert "no prediction (token trees" in text and "measured" in text
 
 
+def test_compare_names_the_method_that_ran_not_auto(qtbot, make_window):
+    window = make_window(tiny_factory())
+    result = _compare(qtbot, window, AppSettings(method="auto", temperature=0.0, max_new_tokens=12))
+    ran = result.speculative.method
+    assert result.error == "" and ran not in ("auto", "ar") and ran in window._loaded.methods
+    assert window.compare.right.title.text().startswith(f"Speculative ({ran}, ")
+
+
 def test_compare_marks_differences(qtbot, make_window):
     from app.stats import diff_tokens
 

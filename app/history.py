@@ -147,11 +147,12 @@ class HistoryStore:
         return [Conversation(*row) for row in rows]
 
     def create_conversation(self, title: str = "New chat") -> int:
-        now = time.time()
-        cur = self._db.execute(
+        return self._insert_conversation(title, time.time())
+
+    def _insert_conversation(self, title: str, now: float) -> int:
+        return int(self._db.execute(
             "INSERT INTO conversations (title, created, updated) VALUES (?, ?, ?)", (title, now, now)
-        )
-        return int(cur.lastrowid)
+        ).lastrowid)
 
     def rename(self, conversation_id: int, title: str) -> None:
         self._db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id))
@@ -175,29 +176,28 @@ class HistoryStore:
         with self._db:
             self._db.execute("BEGIN")
             if conversation_id is None:
-                conversation_id = int(self._db.execute(
-                    "INSERT INTO conversations (title, created, updated) VALUES (?, ?, ?)", (title, now, now)
-                ).lastrowid)
-            insert = ("INSERT INTO messages (conversation_id, role, content, meta, complete, created)"
-                      " VALUES (?, ?, ?, ?, ?, ?)")
-            self._db.execute(insert, (conversation_id, "user", user_text, "", 1, now))
-            answer = self._db.execute(insert, (conversation_id, "assistant", "", meta, 0, now)).lastrowid
-            self._db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
-        return conversation_id, int(answer)
+                conversation_id = self._insert_conversation(title, now)
+            self._insert_message(conversation_id, "user", user_text, "", True, now)
+            answer = self._insert_message(conversation_id, "assistant", "", meta, False, now)
+        return conversation_id, answer
 
     def add_message(
         self, conversation_id: int, role: str, content: str, *, complete: bool = True, meta: str = ""
     ) -> int:
-        now = time.time()
         with self._db:
             self._db.execute("BEGIN")
-            cur = self._db.execute(
-                "INSERT INTO messages (conversation_id, role, content, meta, complete, created)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (conversation_id, role, content, meta, int(complete), now),
-            )
-            self._db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
-        return int(cur.lastrowid)
+            return self._insert_message(conversation_id, role, content, meta, complete, time.time())
+
+    def _insert_message(self, conversation_id: int, role: str, content: str, meta: str, complete: bool,
+                        now: float) -> int:
+        """Within the caller's transaction: the message, and the conversation's `updated` time."""
+        message_id = self._db.execute(
+            "INSERT INTO messages (conversation_id, role, content, meta, complete, created)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (conversation_id, role, content, meta, int(complete), now),
+        ).lastrowid
+        self._db.execute("UPDATE conversations SET updated = ? WHERE id = ?", (now, conversation_id))
+        return int(message_id)
 
     def update_message(
         self,

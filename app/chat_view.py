@@ -19,6 +19,7 @@ from PySide6.QtGui import (
     QBrush,
     QColor,
     QFont,
+    QGuiApplication,
     QTextBlockFormat,
     QTextCharFormat,
     QTextCursor,
@@ -26,7 +27,7 @@ from PySide6.QtGui import (
     QTextDocumentFragment,
     QTextFormat,
 )
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QTextBrowser, QToolTip, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QMenu, QTextBrowser, QToolTip, QWidget
 
 from engine.events import SOURCES, TokenEvent
 
@@ -139,9 +140,11 @@ def _style_code_blocks(doc: QTextDocument) -> None:
 
 
 class ChatView(QTextBrowser):
-    """Read-only transcript. `answer_selected(index)` fires when an assistant message is clicked."""
+    """Read-only transcript. `answer_selected(index)` fires when an assistant message is clicked;
+    `regenerate_requested` when the user asks for the last answer again (its context menu)."""
 
     answer_selected = Signal(int)
+    regenerate_requested = Signal()
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -153,6 +156,7 @@ class ChatView(QTextBrowser):
         self._live_header = ""
         self._live_start = 0
         self._colours = True
+        self.can_regenerate = True  # the window turns it off while an answer is being generated
 
     # -- content ---------------------------------------------------------------------------------
 
@@ -205,6 +209,15 @@ class ChatView(QTextBrowser):
         self._messages.append(message)
         self._write_message(len(self._messages) - 1, message)
         self._scroll_to_end()
+
+    def remove_last(self) -> Message:
+        """Take the last message off the transcript (an answer about to be regenerated)."""
+        message = self._messages.pop()
+        cursor = QTextCursor(self.document())
+        cursor.setPosition(self._starts.pop())
+        cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
+        cursor.removeSelectedText()
+        return message
 
     def set_colours(self, on: bool) -> None:
         if on != self._colours:
@@ -307,6 +320,28 @@ class ChatView(QTextBrowser):
                 QToolTip.hideText()
             return True
         return super().viewportEvent(event)
+
+    def menu_at(self, position: int) -> QMenu:
+        """The context menu at document `position`: the standard copy actions, then, over an answer,
+        copying that whole answer and (the last one, when idle) regenerating it."""
+        menu = self.createStandardContextMenu()
+        menu.setToolTipsVisible(True)
+        index = self.message_index_at(position)
+        if 0 <= index < len(self._messages) and self._messages[index].role == "assistant" and self._live is None:
+            menu.addSeparator()
+            text = self._messages[index].text
+            copy = menu.addAction("Copy this answer", lambda: QGuiApplication.clipboard().setText(text))
+            copy.setEnabled(bool(text))
+            if index == len(self._messages) - 1:
+                again = menu.addAction("Regenerate this answer", self.regenerate_requested.emit)
+                again.setToolTip("Answer the question again with the current settings; this answer is replaced")
+                again.setEnabled(self.can_regenerate)
+        return menu
+
+    def contextMenuEvent(self, event) -> None:
+        menu = self.menu_at(self.cursorForPosition(event.pos()).position())
+        menu.exec(event.globalPos())
+        menu.deleteLater()
 
     def mouseReleaseEvent(self, event) -> None:
         super().mouseReleaseEvent(event)

@@ -181,6 +181,19 @@ class HistoryStore:
             answer = self._insert_message(conversation_id, "assistant", "", meta, False, now)
         return conversation_id, answer
 
+    def restart_answer(self, conversation_id: int, meta: str) -> int:
+        """In one transaction: delete the conversation's last message if it is an answer, and add an
+        empty, incomplete answer in its place (to regenerate it). Returns the new answer's id."""
+        now = time.time()
+        with self._db:
+            self._db.execute("BEGIN")
+            last = self._db.execute(
+                "SELECT id, role FROM messages WHERE conversation_id = ? ORDER BY id DESC LIMIT 1", (conversation_id,)
+            ).fetchone()
+            if last is not None and last[1] == "assistant":
+                self._db.execute("DELETE FROM messages WHERE id = ?", (last[0],))
+            return self._insert_message(conversation_id, "assistant", "", meta, False, now)
+
     def add_message(
         self, conversation_id: int, role: str, content: str, *, complete: bool = True, meta: str = ""
     ) -> int:

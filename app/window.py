@@ -151,6 +151,7 @@ class MainWindow(QMainWindow):
 
         self.chat = ChatView()
         self.chat.answer_selected.connect(self._show_answer_plots)
+        self.chat.regenerate_requested.connect(self.regenerate)
         self.hide_colours = QCheckBox("Hide colours")
         self.hide_colours.toggled.connect(self._toggle_colours)
         legend_row = QHBoxLayout()
@@ -285,6 +286,29 @@ class MainWindow(QMainWindow):
         if new_conversation:
             self._refresh_conversations()
         self.chat.add_message(Message("user", text))
+        self._start_answer(snapshot, meta, message_id)
+        return True
+
+    def regenerate(self) -> bool:
+        """Answer the last question again with the current settings; the new answer replaces the
+        last one, on screen and in the history."""
+        messages = self.chat.messages
+        if self.busy or self._conversation_id is None or not messages or messages[-1].role != "assistant":
+            return False
+        snapshot = self.settings
+        meta = _meta_line(snapshot, None)
+        try:
+            message_id = self.history.restart_answer(self._conversation_id, meta)
+        except sqlite3.Error as exc:
+            self._history_failed("the new answer", exc, "Nothing was changed: try again once it can be.")
+            return False
+        self.chat.remove_last()
+        self._answer_steps.pop(len(messages) - 1, None)
+        self._start_answer(snapshot, meta, message_id)
+        return True
+
+    def _start_answer(self, snapshot: AppSettings, meta: str, message_id: int) -> None:
+        """Generate an answer to the transcript as it stands, into stored message `message_id`."""
         context = model_context(self.chat.messages)
         request = self.worker.new_request(snapshot.model_settings(), context, snapshot.generation_config())
         self._answer = _Answer(request, message_id, snapshot, [], [])
@@ -294,7 +318,6 @@ class MainWindow(QMainWindow):
         self._set_busy(True)
         self._autosave.start()
         self.worker.request_generate.emit(request)
-        return True
 
     def stop(self) -> None:
         if self._answer is not None:
@@ -557,6 +580,7 @@ class MainWindow(QMainWindow):
         self.send_button.setEnabled(not busy)
         self.stop_button.setEnabled(busy)
         self.conversation_list.setEnabled(not busy)
+        self.chat.can_regenerate = not busy
         self.busy_changed.emit(busy)
 
     def _toggle_colours(self, hidden: bool) -> None:

@@ -202,3 +202,60 @@ def test_a_question_whose_answer_failed_is_not_sent_again():
                 Message("user", "fourth")]
     assert model_context(messages) == (("user", "second"), ("assistant", "an answer"), ("user", "third"),
                                        ("assistant", "half an ans"), ("user", "fourth"))
+
+
+def test_restart_answer_replaces_only_a_trailing_answer(app_dirs):
+    store = HistoryStore()
+    cid, first = store.start_exchange(None, "t", "question", "meta 1")
+    store.update_message(first, "old answer", [], [], complete=True)
+    store.restart_answer(cid, "meta 2")
+    assert [(m.role, m.content, m.meta, m.complete) for m in store.messages(cid)] == [
+        ("user", "question", "", True), ("assistant", "", "meta 2", False)]
+    store.add_message(cid, "user", "a question with no answer yet")
+    third = store.restart_answer(cid, "meta 3")  # nothing to replace: the user's turn stays
+    assert [(m.id, m.role) for m in store.messages(cid)][-2:] == [(third - 1, "user"), (third, "assistant")]
+    assert len(store.messages(cid)) == 4
+
+
+def _action(menu, text: str):
+    return next((a for a in menu.actions() if a.text() == text), None)
+
+
+def test_regenerate_replaces_the_last_answer_on_screen_and_in_the_history(qtbot, make_window):
+    from PySide6.QtGui import QGuiApplication
+
+    from app.chat_view import ChatView
+
+    window = make_window(tiny_factory(), settings=AppSettings(method="ar", temperature=0.0, max_new_tokens=8))
+    assert not window.regenerate()  # nothing to answer again yet
+    first = send_and_wait(qtbot, window, "one two")
+    second = send_and_wait(qtbot, window, "three four")
+    starts = window.chat._starts
+    over_first, over_last = window.chat.menu_at(starts[1] + 1), window.chat.menu_at(starts[3] + 1)
+    assert _action(over_first, "Regenerate this answer") is None  # only the last answer
+    _action(over_first, "Copy this answer").trigger()
+    assert QGuiApplication.clipboard().text() == first.text
+    assert _action(over_last, "Regenerate this answer").isEnabled()
+    assert _action(window.chat.menu_at(starts[2] + 1), "Copy this answer") is None  # a question
+
+    window.apply_settings(AppSettings(method="draft", draft="tiny", k=3, temperature=0.0, max_new_tokens=12),
+                          persist=False)
+    sent = []
+    window.worker.request_generate.connect(sent.append)
+    with qtbot.waitSignal(window.answer_finished, timeout=60_000) as finished:
+        _action(over_last, "Regenerate this answer").trigger()
+        assert window.busy and not window.chat.can_regenerate
+        assert not window.regenerate()  # refused while the new answer is generated
+    new = finished.args[0]
+    assert sent[0].messages == (("user", "one two"), ("assistant", first.text), ("user", "three four"))
+    assert new.meta.startswith("draft") and new.text.startswith(second.text)  # greedy: the same text, longer
+    assert [m.role for m in window.chat.messages] == ["user", "assistant", "user", "assistant"]
+    assert window.chat.messages[-1] == new and window.chat.can_regenerate
+    rendered = ChatView()  # the transcript left after removing the old answer renders as if built anew
+    rendered.set_messages(window.chat.messages)
+    assert window.chat.toPlainText() == rendered.toPlainText()
+    stored = window.history.messages(window._conversation_id)
+    assert [(m.role, m.content) for m in stored] == [("user", "one two"), ("assistant", first.text),
+                                                      ("user", "three four"), ("assistant", new.text)]
+    assert stored[-1].complete and stored[-1].meta == new.meta and len(stored[-1].tokens) == len(new.tokens)
+    assert window.plots.steps  # the plots show the new answer's steps

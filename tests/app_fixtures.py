@@ -97,3 +97,15 @@ def send_and_wait(qtbot, window, text: str, timeout_ms: int = 60_000):
     with qtbot.waitSignal(window.answer_finished, timeout=timeout_ms) as blocker:
         assert window.send_message(text)
     return blocker.args[0]
+
+
+def record_requests(window) -> list:
+    """The GenerateRequests the window (chat and Compare) makes from now on, in order."""
+    made, new_request = [], window.worker.new_request
+
+    def recording(*args, **kwargs):
+        made.append(new_request(*args, **kwargs))
+        return made[-1]
+
+    window.worker.new_request = recording
+    return made

@@ -18,7 +18,8 @@ from app.chat_view import SOURCE_PROPERTY
 from app.history import HistoryStore
 from app.settings import AppSettings
 from engine.events import StepEvent, TokenEvent
-from tests.app_fixtures import app_dirs, make_window, send_and_wait, tiny_factory  # noqa: F401 (fixtures)
+from tests.app_fixtures import (app_dirs, make_window, record_requests, send_and_wait,  # noqa: F401 (fixtures)
+                                tiny_factory)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -240,8 +241,7 @@ def test_regenerate_replaces_the_last_answer_on_screen_and_in_the_history(qtbot,
 
     window.apply_settings(AppSettings(method="draft", draft="tiny", k=3, temperature=0.0, max_new_tokens=12),
                           persist=False)
-    sent = []
-    window.worker.request_generate.connect(sent.append)
+    sent = record_requests(window)
     with qtbot.waitSignal(window.answer_finished, timeout=60_000) as finished:
         _action(over_last, "Regenerate this answer").trigger()
         assert window.busy and not window.chat.can_regenerate

@@ -197,7 +197,7 @@ class ComparePanel(QWidget):
         snapshot = self._settings
         seed = snapshot.seed if snapshot.seed >= 0 else random.randrange(2**31)
         method = snapshot.method if snapshot.method != "ar" else "lookup"
-        messages = (("user", prompt.strip()),)
+        messages = snapshot.conversation((("user", prompt.strip()),))
         seeded = replace(snapshot, seed=seed)
         model = seeded.model_settings()
         left = self._worker.new_request(model, messages, seeded.generation_config("ar"), tag="compare")

@@ -72,6 +72,7 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
 MAX_K = 16
 MAX_NEW_TOKENS = 8192
 MAX_SEED = 2**31 - 1  # what the dialog's spin box holds
+MAX_SYSTEM_PROMPT = 20_000  # characters
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class AppSettings:
     dtype: str = "auto"
     adaptive_k: bool = True  # K above is then the upper bound of the +2/-1 schedule
     tree_budget: int = 0  # draft-tree nodes of the EAGLE / Medusa methods; 0 = by device (CPU: up to 4, cut; GPU: 32)
+    system_prompt: str = ""  # sent before every conversation's turns; empty = the chat template's own default
 
     def __post_init__(self) -> None:
         for f in fields(self):  # a hand-edited file can hold any TOML type
@@ -113,6 +115,8 @@ class AppSettings:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not 0 <= self.tree_budget <= MAX_TREE_BUDGET:
             raise ValueError(f"tree nodes must be in 0..{MAX_TREE_BUDGET} (0 = by device), got {self.tree_budget}")
+        if len(self.system_prompt) > MAX_SYSTEM_PROMPT:
+            raise ValueError(f"the system prompt must be at most {MAX_SYSTEM_PROMPT} characters")
         SamplingParams(self.temperature, self.top_k, self.top_p)  # validates the sampling fields
 
     def model_settings(self) -> ModelSettings:
@@ -124,6 +128,11 @@ class AppSettings:
             dtype=self.dtype,
             tree_budget=self.tree_budget or None,
         )
+
+    def conversation(self, turns: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+        """The (role, text) turns a model is sent: the system prompt, when there is one, then `turns`."""
+        system = self.system_prompt.strip()
+        return ((("system", system),) if system else ()) + tuple(turns)
 
     def generation_config(self, method: str | None = None) -> GenerationConfig:
         return GenerationConfig(
@@ -322,6 +331,10 @@ class SettingsDialog(QDialog):
         self.device.addItems(DEVICES)
         self.dtype = QComboBox()
         self.dtype.addItems(DTYPES)
+        self.system_prompt = QPlainTextEdit()
+        self.system_prompt.setPlaceholderText("Empty: the model's own default (from its chat template)")
+        self.system_prompt.setToolTip("Sent before every conversation's messages, from the next message on")
+        self.system_prompt.setFixedHeight(58)
         self.tree_budget = QSpinBox(minimum=0, maximum=MAX_TREE_BUDGET)
         self.tree_budget.setSpecialValueText("auto (CPU: up to 4, as many as pay; GPU: 32)")
         self.tree_budget.setToolTip("Tokens the EAGLE and Medusa trees draft per step. Bigger trees are "
@@ -348,6 +361,7 @@ class SettingsDialog(QDialog):
         decoding_form.addRow("Top-p", self.top_p)
         decoding_form.addRow("Seed", self.seed)
         decoding_form.addRow("Max new tokens", self.max_new_tokens)
+        decoding_form.addRow("System prompt", self.system_prompt)
 
         self.report = QPlainTextEdit(readOnly=True)
         self.report.setPlaceholderText("Press “Check pair” to load the models and see whether they fit.")
@@ -424,6 +438,7 @@ class SettingsDialog(QDialog):
         self.device.setCurrentText(s.device)
         self.dtype.setCurrentText(s.dtype)
         self.tree_budget.setValue(s.tree_budget)
+        self.system_prompt.setPlainText(s.system_prompt)
         match = [i for i, e in enumerate(CATALOG) if (e.target, e.draft) == (s.target, s.draft)]
         match = match or [i for i, e in enumerate(CATALOG) if e.target == s.target]
         self.pair.setCurrentIndex(match[0] if match else len(CATALOG))
@@ -446,6 +461,7 @@ class SettingsDialog(QDialog):
             dtype=self.dtype.currentText(),
             adaptive_k=self.adaptive_k.isChecked(),
             tree_budget=self.tree_budget.value(),
+            system_prompt=self.system_prompt.toPlainText().strip(),
         )
 
     def show_report(self, ok: bool | None, lines: tuple[str, ...] | list[str]) -> None:

@@ -309,7 +309,7 @@ class MainWindow(QMainWindow):
 
     def _start_answer(self, snapshot: AppSettings, meta: str, message_id: int) -> None:
         """Generate an answer to the transcript as it stands, into stored message `message_id`."""
-        context = model_context(self.chat.messages)
+        context = snapshot.conversation(model_context(self.chat.messages))
         request = self.worker.new_request(snapshot.model_settings(), context, snapshot.generation_config())
         self._answer = _Answer(request, message_id, snapshot, [], [])
         self.chat.begin_answer(meta + " · generating…")

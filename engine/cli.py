@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "eagle_lookup / medusa (trained heads); default: the best the loaded models offer")
     gen.add_argument("--prompt", default=None, help="prompt text (default: read standard input)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--system", default="", help="with --chat: a system prompt before the user's turn")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--jsonl", action="store_true", help="one JSON object per token, then a summary")
 
@@ -128,9 +129,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.decode import GenerationConfig
     from engine.events import Summary, TokenEvent
     from engine.sampling import SamplingParams
+    from engine.session import EngineError
 
     if args.method in ("draft", "tree") and not args.draft:
         print(f"error: --method {args.method} needs --draft MODEL", file=sys.stderr)
+        return 2
+    if args.system and not args.chat:
+        print("error: --system needs --chat (a system prompt is part of the chat template)", file=sys.stderr)
         return 2
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     engine = load_engine(args)
@@ -148,7 +153,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    ids = engine.encode_chat([{"role": "user", "content": prompt}]) if args.chat else engine.encode_text(prompt)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    try:
+        ids = engine.encode_chat([*system, {"role": "user", "content": prompt}]) if args.chat else engine.encode_text(prompt)
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     colour = sys.stdout.isatty() or not args.jsonl
     for event in engine.generate_ids(ids, config):
         if isinstance(event, TokenEvent):

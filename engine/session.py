@@ -156,9 +156,19 @@ class Engine:
         return text + (f" + draft {self.draft.name}" if self.draft else "")
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of `messages` ({"role", "content"}: system, user, assistant) in the target's chat
+        template, ready for the assistant's turn. EngineError when the template refuses a system turn."""
+        from jinja2 import TemplateError
+
         tokenizer = self.target.tokenizer
         if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            try:
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            except TemplateError as exc:  # some templates raise for a role they do not take
+                if any(m["role"] == "system" for m in messages):
+                    raise EngineError(f"{self.target.name}'s chat template does not take a system prompt ({exc}). "
+                                      "Leave the system prompt empty for this model.") from exc
+                raise
         else:
             text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
         return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ from app.main import parse_args
 from engine.advisor import drafting_share, measure_costs, predict
 from app.settings import AppSettings
 from engine.session import EngineError
-from tests.app_fixtures import app_dirs, make_window, send_and_wait, tiny_factory  # noqa: F401 (fixtures)
+from tests.app_fixtures import (app_dirs, make_window, record_requests, send_and_wait,  # noqa: F401 (fixtures)
+                                tiny_factory)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,6 +71,20 @@ def test_compare_names_the_method_that_ran_not_auto(qtbot, make_window):
     ran = result.speculative.method
     assert result.error == "" and ran not in ("auto", "ar") and ran in window._loaded.methods
     assert window.compare.right.title.text().startswith(f"Speculative ({ran}, ")
+
+
+def test_the_system_prompt_opens_every_chat_and_comparison(qtbot, make_window):
+    window = make_window(tiny_factory(), settings=AppSettings(method="lookup", max_new_tokens=6,
+                                                              system_prompt="Answer in French."))
+    sent = record_requests(window)
+    send_and_wait(qtbot, window, "one two")
+    send_and_wait(qtbot, window, "three")
+    _compare(qtbot, window, replace(window.settings, system_prompt="Be brief."), "four")
+    system = [r.messages[0] for r in sent]
+    assert system == [("system", "Answer in French.")] * 2 + [("system", "Be brief.")] * 2
+    assert [role for role, _ in sent[1].messages] == ["system", "user", "assistant", "user"]
+    stored = window.history.messages(window._conversation_id)
+    assert [m.role for m in stored] == ["user", "assistant", "user", "assistant"]  # the history keeps turns only
 
 
 def test_compare_marks_differences(qtbot, make_window):

@@ -6,7 +6,7 @@ import torch
 
 from engine.cli import main
 from engine.models import ModelLoadError, check_pair, load_model
-from engine.session import Engine, EngineError
+from engine.session import Engine, EngineError, ModelSettings
 from tests.tiny import loaded, tiny_llama, tiny_tokenizer
 
 
@@ -70,6 +70,24 @@ def test_cli_head_and_tree_methods_match_plain_with_the_same_jsonl(model_folder,
     ids = {name: [t["id"] for t in lines[:-1]] for name, lines in runs.items()}
     assert all(ids[name] == ids["ar"] for name in ids), ids
     assert all(runs[name][-1]["drafted"] > 0 for name in ("eagle", "eagle_chain", "medusa", "tree")), {n: r[-1]["drafted"] for n, r in runs.items()}
+
+
+def test_a_system_prompt_enters_the_chat_template_or_is_refused_clearly(model_folder, capsys):
+    engine = Engine.load(ModelSettings(str(model_folder)))
+    tokenizer = engine.target.tokenizer
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert tokenizer.decode(engine.encode_chat(turns)) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    args = ["generate", "--target", str(model_folder), "--prompt", "hi", "--method", "ar", "--max-new-tokens", "3",
+            "--jsonl", "--system", "Be brief."]
+    assert main(args) == 2 and "--system needs --chat" in capsys.readouterr().err
+    assert main([*args, "--chat"]) == 0 and json.loads(capsys.readouterr().out.splitlines()[-1])["new_tokens"] == 3
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                               "{{ raise_exception('System role not supported') }}{% endif %}"
+                               "{{ m['content'] }}{% endfor %}")  # as Gemma's template does
+    with pytest.raises(EngineError, match="does not take a system prompt.*System role not supported"):
+        engine.encode_chat(turns)
+    assert tokenizer.decode(engine.encode_chat(turns[1:])) == "hi"  # without one the same template works
 
 
 def test_missing_model_is_a_clear_error(tmp_path):

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from PySide6.QtCore import QSize, Qt, Signal
-from PySide6.QtGui import QColor, QPainter, QTextCharFormat, QTextCursor
+from PySide6.QtGui import QColor, QKeySequence, QPainter, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
@@ -42,6 +42,7 @@ class CompareResult:
     predicted_k: int | None = None  # the K the prediction is read at (mean K when adaptive)
     predicted_speedup: float | None = None
     speculative_steps: tuple[StepEvent, ...] = field(default=(), repr=False)
+    stopped: bool = False  # the user stopped it before both runs finished: nothing to compare
 
 
 class ElidedLabel(QLabel):
@@ -154,6 +155,8 @@ class ComparePanel(QWidget):
         self.run_button.clicked.connect(self._run_clicked)
         self.stop_button = QPushButton("Stop")
         self.stop_button.setEnabled(False)
+        self.stop_button.setShortcut(QKeySequence(Qt.Key.Key_Escape))  # only while enabled and on show
+        self.stop_button.setToolTip("Stop generating (Esc)")
         self.stop_button.clicked.connect(self.stop)
         self.left = ComparePane("Plain autoregressive")
         self.right = ComparePane("Speculative")
@@ -265,6 +268,10 @@ class ComparePanel(QWidget):
         self.finished.emit(self._report(self._summaries.get(left_id), self._summaries.get(right_id)))
 
     def _report(self, base: Summary | None, spec: Summary | None) -> CompareResult:
+        stopped = any(cancel.is_set() for cancel in self._cancels)
+        if stopped and not self._errors and (base is None or spec is None):
+            self.result.setText("Stopped before both runs finished: nothing to compare.")
+            return CompareResult(base, spec, None, None, None, stopped=True)
         if self._errors or base is None or spec is None:
             error = "; ".join(self._errors) or "A run did not finish."
             self.result.setText(f"<span style='color:#b00020'>Comparison failed: {error}</span>")

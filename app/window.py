@@ -175,6 +175,8 @@ class MainWindow(QMainWindow):
         self.send_button.clicked.connect(self.send_from_input)
         self.stop_button = QPushButton("Stop")
         self.stop_button.setEnabled(False)
+        self.stop_button.setShortcut(QKeySequence(Qt.Key.Key_Escape))  # only while enabled and on show
+        self.stop_button.setToolTip("Stop generating (Esc)")
         self.stop_button.clicked.connect(self.stop)
         buttons = QVBoxLayout()
         buttons.addWidget(self.send_button)
@@ -525,7 +527,7 @@ class MainWindow(QMainWindow):
             if result.speculative is not None:
                 self.plots.set_summary(result.speculative)
             else:
-                self.plots.set_caption(f"Comparison failed: {result.error}")
+                self.plots.set_caption("Comparison stopped" if result.stopped else f"Comparison failed: {result.error}")
 
     def _on_selftest_progress(self, rid: int, message: str, fraction: float | None) -> None:
         if self._selftest is not None and rid == self._selftest.id and self.selftest_dialog is not None:

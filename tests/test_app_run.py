@@ -128,6 +128,31 @@ def test_stop_ends_generation_within_one_step(qtbot, make_window):
     assert window.send_button.isEnabled() and not window.stop_button.isEnabled()
 
 
+def test_escape_stops_the_answer_and_then_the_comparison(qtbot, make_window):
+    from PySide6.QtCore import Qt
+
+    window = make_window(tiny_factory(step_delay_s=0.05),
+                         settings=AppSettings(method="draft", draft="tiny", k=3, max_new_tokens=1000))
+    window.show()
+    qtbot.waitExposed(window)
+    window.input.setFocus()
+    window.send_message("go on for a while")
+    qtbot.waitUntil(lambda: len(window._answer.tokens) >= 3, timeout=30_000)
+    with qtbot.waitSignal(window.answer_finished, timeout=10_000) as stopped:
+        qtbot.keyClick(window.input, Qt.Key.Key_Escape)
+    assert stopped.args[0].error == "(stopped)" and 0 < len(stopped.args[0].tokens) < 1000
+    with qtbot.waitSignal(window.compare.finished, timeout=60_000) as compared:
+        window.run_compare("count for a while")
+        qtbot.waitUntil(lambda: len(window.compare.left.tokens) >= 3, timeout=30_000)
+        window.compare.prompt.setFocus()
+        qtbot.keyClick(window.compare.prompt, Qt.Key.Key_Escape)
+    result = compared.args[0]  # Esc stops both runs: the plain one mid-way, the speculative one before it starts
+    assert result.stopped and result.error == "" and result.speculative is None
+    assert result.baseline.stop_reason == "cancelled" and len(window.compare.left.tokens) < 1000
+    assert window.compare.result.text() == "Stopped before both runs finished: nothing to compare."
+    assert window.plots.summary.text() == "Comparison stopped"
+
+
 def test_failed_load_shows_an_error_and_the_window_keeps_working(qtbot, make_window):
     def factory(settings, progress):
         if settings.target == "nowhere/nothing":

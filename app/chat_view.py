@@ -156,7 +156,6 @@ class ChatView(QTextBrowser):
         self._live_header = ""
         self._live_start = 0
         self._colours = True
-        self.can_regenerate = True  # the window turns it off while an answer is being generated
 
     # -- content ---------------------------------------------------------------------------------
 
@@ -167,6 +166,11 @@ class ChatView(QTextBrowser):
     @property
     def live_tokens(self) -> tuple[TokenEvent, ...]:
         return tuple(self._live or ())
+
+    @property
+    def can_regenerate(self) -> bool:
+        """No answer is streaming: the last message is a finished one."""
+        return self._live is None
 
     def set_messages(self, messages: Iterable[Message]) -> None:
         self._messages = list(messages)
@@ -202,22 +206,22 @@ class ChatView(QTextBrowser):
             self.add_message(message)
             return
         self._live = None
-        cursor = QTextCursor(self.document())
-        cursor.setPosition(self._starts.pop())
-        cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
-        cursor.removeSelectedText()
+        self._remove_last_section()
         self._messages.append(message)
         self._write_message(len(self._messages) - 1, message)
         self._scroll_to_end()
 
     def remove_last(self) -> Message:
         """Take the last message off the transcript (an answer about to be regenerated)."""
-        message = self._messages.pop()
+        self._remove_last_section()
+        return self._messages.pop()
+
+    def _remove_last_section(self) -> None:
+        """Delete the document from where the last message (or the streaming answer) begins."""
         cursor = QTextCursor(self.document())
         cursor.setPosition(self._starts.pop())
         cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
         cursor.removeSelectedText()
-        return message
 
     def set_colours(self, on: bool) -> None:
         if on != self._colours:
@@ -327,7 +331,7 @@ class ChatView(QTextBrowser):
         menu = self.createStandardContextMenu()
         menu.setToolTipsVisible(True)
         index = self.message_index_at(position)
-        if 0 <= index < len(self._messages) and self._messages[index].role == "assistant" and self._live is None:
+        if 0 <= index < len(self._messages) and self._messages[index].role == "assistant" and self.can_regenerate:
             menu.addSeparator()
             text = self._messages[index].text
             copy = menu.addAction("Copy this answer", lambda: QGuiApplication.clipboard().setText(text))
@@ -335,7 +339,6 @@ class ChatView(QTextBrowser):
             if index == len(self._messages) - 1:
                 again = menu.addAction("Regenerate this answer", self.regenerate_requested.emit)
                 again.setToolTip("Answer the question again with the current settings; this answer is replaced")
-                again.setEnabled(self.can_regenerate)
         return menu
 
     def contextMenuEvent(self, event) -> None:

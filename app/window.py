@@ -582,7 +582,6 @@ class MainWindow(QMainWindow):
         self.send_button.setEnabled(not busy)
         self.stop_button.setEnabled(busy)
         self.conversation_list.setEnabled(not busy)
-        self.chat.can_regenerate = not busy
         self.busy_changed.emit(busy)
 
     def _toggle_colours(self, hidden: bool) -> None:

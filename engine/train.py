@@ -54,6 +54,9 @@ class TrainOptions:
     out: str
     data: str = ""  # distilled data file, shareable between EAGLE and Medusa runs; "" = OUT/distilled.pt
     extra_data: tuple[str, ...] = ()  # distilled files of other prompt sets (made with distil_only), trained on too
+    # folders of committed token-id shards (engine.distilled): the run's own answers are written into
+    # the first, and every shard of every folder is trained on (features recomputed by prefill)
+    shards: tuple[str, ...] = ()
     distil_only: bool = False  # stop after distilling (to build an extra_data file)
     self_prompts: int = 0  # extra training prompts written by the target itself (Magpie), kept in OUT
     self_prompt_temperature: float = 1.0
@@ -263,24 +266,68 @@ def _distil_batch(model, prompts: list[list[int]], eos_ids: tuple[int, ...], opt
         answer = out[row, width:].tolist()
         end = next((j + 1 for j, token in enumerate(answer) if token in eos_ids), len(answer))
         sequences.append(ids + answer[:end])
-    # Features from one teacher-forced forward (right padded, so positions need no shifting): much
-    # cheaper than collecting every layer's hidden states during generate. The newest token of a
-    # sequence is never fed while decoding, so it gets no feature here either.
-    length = max(map(len, sequences)) - 1
+    return _features(model, [tokens[:-1] for tokens in sequences], [len(ids) for ids in prompts], pad)
+
+
+def _features(model, sequences: list[list[int]], answer_starts: list[int], pad: int) -> list[dict]:
+    """The target's final hidden state at every position of each sequence, from one teacher-forced
+    forward over the batch: {"tokens" [T], "features" [T, H] bf16, "answer_start"} per sequence."""
+    import torch
+
+    # Right padded, so positions need no shifting: much cheaper than collecting every layer's hidden
+    # states during generate. The newest token of a sequence is never fed while decoding, so the
+    # caller leaves it out.
+    length = max(map(len, sequences))
     fed = torch.full((len(sequences), length), pad, dtype=torch.long)  # [B, L]
     fed_mask = torch.zeros(len(sequences), length, dtype=torch.long)  # [B, L]
     for row, tokens in enumerate(sequences):
-        fed[row, : len(tokens) - 1] = torch.tensor(tokens[:-1])
-        fed_mask[row, : len(tokens) - 1] = 1
+        fed[row, : len(tokens)] = torch.tensor(tokens)
+        fed_mask[row, : len(tokens)] = 1
     with torch.no_grad():  # not inference_mode: training reads these tensors
         # The decoder alone: its last hidden state is what CachedModel keeps, and the [B, L, V] logits
         # of the whole model would take gigabytes at large batches.
         hidden = model.get_decoder()(input_ids=fed.to(model.device),
                                      attention_mask=fed_mask.to(model.device)).last_hidden_state  # [B, L, H]
-    return [{"tokens": torch.tensor(tokens[:-1]),
-             "features": hidden[row, : len(tokens) - 1].to(torch.bfloat16).cpu(),
-             "answer_start": torch.tensor(len(prompts[row]))}
-            for row, tokens in enumerate(sequences)]
+    return [{"tokens": torch.tensor(tokens),
+             "features": hidden[row, : len(tokens)].to(torch.bfloat16).cpu(),
+             "answer_start": torch.tensor(start)}
+            for row, (tokens, start) in enumerate(zip(sequences, answer_starts))]
+
+
+def shard_samples(model, sequences, pad: int, batch_size: int, first_prompt: int) -> list[dict]:
+    """Training samples (features recomputed by batched prefill) of distilled shards' sequences."""
+    import torch
+    from tqdm import tqdm
+
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i].tokens))  # little padding
+    samples: list[dict] = [{}] * len(sequences)
+    for s in tqdm(range(0, len(order), batch_size), desc="features of the committed shards"):
+        batch = order[s : s + batch_size]
+        rows = _features(model, [list(sequences[i].tokens) for i in batch],
+                         [sequences[i].answer_start for i in batch], pad)
+        for i, row in zip(batch, rows):
+            samples[i] = {"prompt": torch.tensor(first_prompt + i),
+                          "variant": torch.tensor(0 if sequences[i].temperature == 0 else 1), **row}
+    return samples
+
+
+def save_shards(samples: list[dict], options: TrainOptions, target_name: str) -> list[Path]:
+    """The run's distilled answers as committed-size token-id shards in options.shards[0]."""
+    from engine.distilled import DistilledSequence, run_id, write_shards
+
+    def temperature(variant: int) -> float:
+        return options.sample_temperatures[(variant - 1) % len(options.sample_temperatures)] if variant else 0.0
+
+    rows = sorted(samples, key=lambda s: (int(s["prompt"]), int(s["variant"])))
+    sequences = [DistilledSequence(tuple(s["tokens"].tolist()), int(s["answer_start"]), temperature(int(s["variant"])))
+                 for s in rows]
+    facts = {k: v for k, v in _neutral(options).items() if k in (
+        "prompts", "self_prompts", "self_prompt_temperature", "answer_tokens", "sampled_answers",
+        "sample_temperatures", "max_prompts", "held_out", "seed", "distil_dtype")}
+    facts["target"] = target_name
+    meta = {"target": target_name, "command": _command(options), "answer_tokens": str(options.answer_tokens),
+            "distil_dtype": options.distil_dtype}
+    return write_shards(options.shards[0], sequences, run_id(facts), meta)
 
 
 # --- 2. training ------------------------------------------------------------------------------
@@ -838,6 +885,7 @@ def _neutral(options: TrainOptions) -> dict:
     values["out"] = Path(options.out).name
     values["data"] = Path(options.data).name if options.data else ""
     values["extra_data"] = [Path(p).name for p in options.extra_data]
+    values["shards"] = [Path(p).name for p in options.shards]
     values["init_from"] = Path(options.init_from).name if options.init_from else ""
     return values
 
@@ -874,11 +922,18 @@ def run(options: TrainOptions) -> dict:
             options.self_prompt_temperature, options.batch_size, seed=options.seed)
     encode = [engine.encode_chat([{"role": "user", "content": p}]) for p in train_prompts]
     samples = distil(teacher, encode, engine.eos_ids, options)
+    written = save_shards(samples, options, engine.target.name) if options.shards else []
     if options.distil_only:
-        return {"distilled": len(samples), "data": str(options.data_path)}
+        return {"distilled": len(samples), "data": str(options.data_path), "shards": [str(p) for p in written]}
     own = len(samples)
     for path in options.extra_data:
         samples = samples + torch.load(path, weights_only=True)
+    if options.shards:
+        from engine.distilled import read_all
+
+        own_run = written[0].stem.rsplit("-", 1)[0] if written else ""
+        sequences, _ = read_all(options.shards, target=engine.target.name, skip_run=own_run)
+        samples = samples + shard_samples(teacher, sequences, engine.eos_ids[0], options.batch_size, len(samples))
     if options.kind == "datastore":
         return build_datastore(options, samples, engine, held_ids, (len(train_prompts), len(held_out), own))
     held_samples = distil(teacher, held_ids, engine.eos_ids,
@@ -957,8 +1012,9 @@ def _command(options: TrainOptions) -> str:
     words += [f"--prompts data/self-instruct/{name}" for name in values["prompts"]]
     words += [f"--out {values['out']}"] + ([f"--data {values['data']}"] if options.data else [])
     words += [f"--extra-data {name}" for name in values["extra_data"]]
+    words += [f"--shards data/distilled/{name}" for name in values["shards"]]
     for name, value in values.items():
-        if name in ("kind", "prompts", "out", "data", "extra_data", "dtype", "evaluate_only") or value == defaults[name]:
+        if name in ("kind", "prompts", "out", "data", "extra_data", "shards", "dtype", "evaluate_only") or value == defaults[name]:
             continue
         if name in ("init_from_target", "distil_only"):
             words.append(f"--{name.replace('_', '-')}")
@@ -1005,6 +1061,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="EAGLE: weight of the cross-entropy to the target's next-token distribution")
     parser.add_argument("--extra-data", action="append", default=[],
                         help="a distilled data file of other prompts (from a --distil-only run) to train on too (repeatable)")
+    parser.add_argument("--shards", action="append", default=[], metavar="DIR",
+                        help="folder of committed token-id shards (repeatable): this run's answers are written "
+                             "into the first, and every shard found is trained on")
     parser.add_argument("--distil-only", action="store_true",
                         help="stop after distilling the prompts into DATA (for --extra-data of another run)")
     parser.add_argument("--init-from", default="", metavar="DIR",
@@ -1020,12 +1079,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    names = [f for f in TrainOptions.__dataclass_fields__ if f not in ("kind", "target", "prompts", "out", "extra_data")]
+    names = [f for f in TrainOptions.__dataclass_fields__
+             if f not in ("kind", "target", "prompts", "out", "extra_data", "shards")]
     options = TrainOptions(kind=args.kind, target=args.target, prompts=tuple(args.prompts), out=args.out,
-                           extra_data=tuple(args.extra_data), **{name: getattr(args, name) for name in names if name != "dtype"})
+                           extra_data=tuple(args.extra_data), shards=tuple(args.shards), **{name: getattr(args, name) for name in names if name != "dtype"})
     result = run(options)
     if options.distil_only:
         print(f"distilled {result['distilled']} sequences -> {result['data']}", file=sys.stderr)
+        for path in result["shards"]:
+            print(f"  token-id shard -> {path}", file=sys.stderr)
         return 0
     if not result["tau"]:
         print(f"trained -> {options.out} (tau not measured: --eval-tokens 0)", file=sys.stderr)

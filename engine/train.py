@@ -227,7 +227,7 @@ def distil(model, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], options
     saved = time.perf_counter()
     for n, (variant, batch) in enumerate(bar, start=1):
         start = time.perf_counter()
-        temperature = options.sample_temperatures[(variant - 1) % len(options.sample_temperatures)] if variant else None
+        temperature = variant_temperature(options, variant) or None  # None: greedy
         rows = _distil_batch(model, [prompt_ids[i] for _, i in batch], eos_ids, options, temperature)
         for (_, i), row in zip(batch, rows):
             done.append({"prompt": torch.tensor(i), "variant": torch.tensor(variant), **row})
@@ -311,23 +311,31 @@ def shard_samples(model, sequences, pad: int, batch_size: int, first_prompt: int
     return samples
 
 
-def save_shards(samples: list[dict], options: TrainOptions, target_name: str) -> list[Path]:
-    """The run's distilled answers as committed-size token-id shards in options.shards[0]."""
-    from engine.distilled import DistilledSequence, run_id, write_shards
+def variant_temperature(options: TrainOptions, variant: int) -> float:
+    """The temperature answer `variant` is sampled at: 0.0 for the greedy variant 0."""
+    return options.sample_temperatures[(variant - 1) % len(options.sample_temperatures)] if variant else 0.0
 
-    def temperature(variant: int) -> float:
-        return options.sample_temperatures[(variant - 1) % len(options.sample_temperatures)] if variant else 0.0
 
-    rows = sorted(samples, key=lambda s: (int(s["prompt"]), int(s["variant"])))
-    sequences = [DistilledSequence(tuple(s["tokens"].tolist()), int(s["answer_start"]), temperature(int(s["variant"])))
-                 for s in rows]
+def shard_run(options: TrainOptions, target_name: str) -> str:
+    """The name of this run's shards: the settings that decide what it distils."""
+    from engine.distilled import run_id
+
     facts = {k: v for k, v in _neutral(options).items() if k in (
         "prompts", "self_prompts", "self_prompt_temperature", "answer_tokens", "sampled_answers",
         "sample_temperatures", "max_prompts", "held_out", "seed", "distil_dtype")}
-    facts["target"] = target_name
+    return run_id({**facts, "target": target_name})
+
+
+def save_shards(samples: list[dict], options: TrainOptions, target_name: str, run: str) -> list[Path]:
+    """The run's distilled answers as committed-size token-id shards in options.shards[0]."""
+    from engine.distilled import DistilledSequence, write_shards
+
+    rows = sorted(samples, key=lambda s: (int(s["prompt"]), int(s["variant"])))
+    sequences = [DistilledSequence(tuple(s["tokens"].tolist()), int(s["answer_start"]),
+                                   variant_temperature(options, int(s["variant"]))) for s in rows]
     meta = {"target": target_name, "command": _command(options), "answer_tokens": str(options.answer_tokens),
             "distil_dtype": options.distil_dtype}
-    return write_shards(options.shards[0], sequences, run_id(facts), meta)
+    return write_shards(options.shards[0], sequences, run, meta)
 
 
 # --- 2. training ------------------------------------------------------------------------------
@@ -922,7 +930,8 @@ def run(options: TrainOptions) -> dict:
             options.self_prompt_temperature, options.batch_size, seed=options.seed)
     encode = [engine.encode_chat([{"role": "user", "content": p}]) for p in train_prompts]
     samples = distil(teacher, encode, engine.eos_ids, options)
-    written = save_shards(samples, options, engine.target.name) if options.shards else []
+    run_name = shard_run(options, engine.target.name)
+    written = save_shards(samples, options, engine.target.name, run_name) if options.shards else []
     if options.distil_only:
         return {"distilled": len(samples), "data": str(options.data_path), "shards": [str(p) for p in written]}
     own = len(samples)
@@ -931,8 +940,7 @@ def run(options: TrainOptions) -> dict:
     if options.shards:
         from engine.distilled import read_all
 
-        own_run = written[0].stem.rsplit("-", 1)[0] if written else ""
-        sequences, _ = read_all(options.shards, target=engine.target.name, skip_run=own_run)
+        sequences, _ = read_all(options.shards, target=engine.target.name, skip_run=run_name)
         samples = samples + shard_samples(teacher, sequences, engine.eos_ids[0], options.batch_size, len(samples))
     if options.kind == "datastore":
         return build_datastore(options, samples, engine, held_ids, (len(train_prompts), len(held_out), own))

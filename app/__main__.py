@@ -1,5 +1,5 @@
 import sys
 
-from app.main import main
+from speclens.app.launcher import main
 
 sys.exit(main())

@@ -29,7 +29,7 @@ from PySide6.QtGui import (
 )
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QMenu, QTextBrowser, QToolTip, QWidget
 
-from engine.events import SOURCES, TokenEvent
+from speclens.engine.decoding.events import SOURCES, TokenEvent
 
 SOURCE_PROPERTY = QTextFormat.Property.UserProperty + 1  # the token's source, for tests and tools
 

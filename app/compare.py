@@ -21,13 +21,12 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.advisor import Advice
-from engine.events import StepEvent, Summary, TokenEvent
-
-from app.chat_view import token_format
-from app.settings import AppSettings
-from app.stats import TokenDiff, advise, diff_tokens, speedup_at
-from app.worker import EngineWorker
+from speclens.app.chat_view import token_format
+from speclens.app.settings import AppSettings
+from speclens.app.stats import TokenDiff, advise, diff_tokens, speedup_at
+from speclens.app.worker import EngineWorker
+from speclens.engine.decoding.advisor import Advice
+from speclens.engine.decoding.events import StepEvent, Summary, TokenEvent
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import platformdirs
 
-from engine.events import StepEvent, TokenEvent
+from speclens.engine.decoding.events import StepEvent, TokenEvent
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (

@@ -20,11 +20,11 @@ import qasync
 from pyqtgraph.util.garbage_collector import GarbageCollector
 from PySide6.QtWidgets import QApplication
 
-from app.chat_view import Message
-from app.compare import CompareResult
-from app.settings import MAX_K, SettingsStore, with_overrides
-from app.window import MainWindow
-from app.worker import EngineFactory
+from speclens.app.chat_view import Message
+from speclens.app.compare import CompareResult
+from speclens.app.settings import MAX_K, SettingsStore, with_overrides
+from speclens.app.window import MainWindow
+from speclens.app.worker import EngineFactory
 
 SCREENSHOT_SIZE = (1440, 900)
 

@@ -9,10 +9,9 @@ import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
-from engine.advisor import Advice
-from engine.events import StepEvent, Summary
-
-from app.stats import ROLLING_STEPS, advise, speedup_at, step_series
+from speclens.app.stats import ROLLING_STEPS, advise, speedup_at, step_series
+from speclens.engine.decoding.advisor import Advice
+from speclens.engine.decoding.events import StepEvent, Summary
 
 REDRAW_MS = 100
 ACCENT = "#2563eb"

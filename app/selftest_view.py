@@ -17,9 +17,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.selftest import SelftestReport
-
-from app.worker import SELFTEST_TRIALS
+from speclens.app.worker import SELFTEST_TRIALS
+from speclens.engine.tools.selftest import SelftestReport
 
 INTRO = (
     "Checks that speculative decoding is exact on this machine: the verifiers' output distributions "

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import platformdirs
 import tomli_w
+import tomllib
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -34,12 +34,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from engine.decode import GenerationConfig
-from engine.events import StepEvent
-from engine.sampling import SamplingParams
-from engine.session import MAX_TREE_BUDGET, ModelSettings
-
-from app.plots import AdvisorPanel
+from speclens.app.plots import AdvisorPanel
+from speclens.engine.decoding.decode import GenerationConfig
+from speclens.engine.decoding.events import StepEvent
+from speclens.engine.decoding.sampling import SamplingParams
+from speclens.engine.session import MAX_TREE_BUDGET, ModelSettings
 
 # The engine says which methods a loaded pair offers (Engine.methods); these only name the known ones.
 METHOD_LABELS = {

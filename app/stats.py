@@ -7,8 +7,8 @@ import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.advisor import Advice, drafting_share, measure_costs, predict
-from engine.events import StepEvent
+from speclens.engine.decoding.advisor import Advice, drafting_share, measure_costs, predict
+from speclens.engine.decoding.events import StepEvent
 
 ROLLING_STEPS = 16
 

@@ -31,16 +31,15 @@ from PySide6.QtWidgets import (
 )
 from superqt.utils import qthrottled
 
-from engine.events import StepEvent, Summary, TokenEvent
-from engine.selftest import ChainVerifier, SelftestReport
-
-from app.chat_view import ChatView, Legend, Message
-from app.compare import CompareResult, ComparePanel
-from app.history import HistoryStore
-from app.plots import StepPlots, summary_text
-from app.selftest_view import SelftestDialog
-from app.settings import AppSettings, SettingsDialog, SettingsStore, config_dir, method_label
-from app.worker import SELFTEST_TRIALS, EngineFactory, GenerateRequest, LoadInfo, SelftestRequest, WorkerThread
+from speclens.app.chat_view import ChatView, Legend, Message
+from speclens.app.compare import ComparePanel, CompareResult
+from speclens.app.history import HistoryStore
+from speclens.app.plots import StepPlots, summary_text
+from speclens.app.selftest_view import SelftestDialog
+from speclens.app.settings import AppSettings, SettingsDialog, SettingsStore, config_dir, method_label
+from speclens.app.worker import SELFTEST_TRIALS, EngineFactory, GenerateRequest, LoadInfo, SelftestRequest, WorkerThread
+from speclens.engine.decoding.events import StepEvent, Summary, TokenEvent
+from speclens.engine.tools.selftest import ChainVerifier, SelftestReport
 
 log = logging.getLogger(__name__)
 

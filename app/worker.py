@@ -17,12 +17,11 @@ from dataclasses import dataclass, field
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from engine.decode import GenerationConfig
-from engine.events import StepEvent, Summary, TokenEvent
-from engine.selftest import ChainVerifier, SelftestReport, run_selftest
-from engine.session import Engine, EngineError, ModelSettings
-
-from app.settings import AUTO_METHOD, DRAFT_MODEL_METHODS, needs_reload
+from speclens.app.settings import AUTO_METHOD, DRAFT_MODEL_METHODS, needs_reload
+from speclens.engine.decoding.decode import GenerationConfig
+from speclens.engine.decoding.events import StepEvent, Summary, TokenEvent
+from speclens.engine.session import Engine, EngineError, ModelSettings
+from speclens.engine.tools.selftest import ChainVerifier, SelftestReport, run_selftest
 
 log = logging.getLogger(__name__)
 

@@ -15,15 +15,17 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from engine.cache import CachedModel
-from engine.cpu_kernels import native_kernel_of
-from engine.decode import GenerationConfig, generate
-from engine.drafters import Drafter, StepCost
-from engine.drafters.datastore import Datastore, DatastoreDrafter, is_datastore
-from engine.drafters.draft_model import DraftModelDrafter
-from engine.drafters.lookup import PromptLookupDrafter
-from engine.events import Event
-from engine.models import (
+from speclens.engine.decoding.decode import GenerationConfig, generate
+from speclens.engine.decoding.drafter import Drafter, StepCost
+from speclens.engine.decoding.events import Event
+from speclens.engine.decoding.tree import CHAIN_PATHS, DEFAULT_TREE_PATHS, TreeDrafter, TreeShape
+from speclens.engine.drafters.datastore import Datastore, DatastoreDrafter, is_datastore
+from speclens.engine.drafters.draft_model import DraftModelDrafter
+from speclens.engine.drafters.lookup import PromptLookupDrafter
+from speclens.engine.drafters.trees import DraftModelTreeDrafter, LookupGraftedDrafter
+from speclens.engine.runtime.cache import CachedModel
+from speclens.engine.runtime.cpu_kernels import native_kernel_of
+from speclens.engine.runtime.models import (
     DEFAULT_MODEL,
     CompatReport,
     LoadedModel,
@@ -34,8 +36,6 @@ from engine.models import (
     check_pair,
     load_model,
 )
-from engine.tree import (CHAIN_PATHS, DEFAULT_TREE_PATHS, DraftModelTreeDrafter, LookupGraftedDrafter, TreeDrafter,
-                         TreeShape)
 
 SHIPPED_HEADS = Path(__file__).resolve().parent.parent / "resources" / "drafters"
 # Heads trained for the embedded default target, shipped in resources/ (see their model cards).
@@ -273,8 +273,8 @@ def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
     chains grafted in, prompt lookup's and the datastore's when there is one) or Medusa; trees of
     `budget` nodes, cut to the nodes worth verifying at `cost` (keep_worthwhile; not the chain), and the
     grafted tree skips the head where lookup's chain alone is worth verifying at `lookup_cost`."""
-    from engine.drafters.eagle import EagleDrafter, EagleHead
-    from engine.drafters.medusa import MedusaDrafter, MedusaHeads, sparse_tree_paths
+    from speclens.engine.drafters.eagle import EagleDrafter, EagleHead
+    from speclens.engine.drafters.medusa import MedusaDrafter, MedusaHeads, sparse_tree_paths
 
     text_config = target.model.config.get_text_config()
     try:

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 
-from engine.drafters.synthetic import SyntheticDrafter  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from speclens.engine.decoding.sampling import SamplingParams  # noqa: E402
+from speclens.engine.drafters.synthetic import SyntheticDrafter  # noqa: E402
 
 EPS = 1e-5
 

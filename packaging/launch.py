@@ -2,7 +2,7 @@
 
 import sys
 
-from engine.cli import main
+from speclens.app.launcher import main
 
 if __name__ == "__main__":
     sys.exit(main())

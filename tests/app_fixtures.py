@@ -11,8 +11,8 @@ import pytest
 from PySide6.QtCore import QEvent
 from PySide6.QtWidgets import QApplication
 
-from engine.events import StepEvent
-from engine.session import Engine, EngineError, ModelSettings
+from speclens.engine.decoding.events import StepEvent
+from speclens.engine.session import Engine, EngineError, ModelSettings
 from tests.tiny import make_tiny_engine
 
 # pyqtgraph's atexit sweep touches Qt objects during interpreter shutdown and can abort the run
@@ -74,7 +74,7 @@ def make_window(qtbot, app_dirs):
     """Opens MainWindows on tiny engines and closes them (joining the worker thread) afterwards:
     pytest-qt keeps only weak references, and a window deleted without closing would destroy a
     running QThread."""
-    from app.window import MainWindow
+    from speclens.app.window import MainWindow
 
     windows = []
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from engine.native_kernels import native_build
+from speclens.engine.runtime.native_kernels import native_build
 
 
 def native_or_skip():

@@ -1,7 +1,7 @@
 import pytest
 
-from engine.advisor import Costs, expected_tokens, measure_costs, predict, prefix_acceptance
-from engine.events import StepEvent
+from speclens.engine.decoding.advisor import Costs, expected_tokens, measure_costs, predict, prefix_acceptance
+from speclens.engine.decoding.events import StepEvent
 
 
 def test_iid_acceptance_matches_closed_form():

@@ -8,11 +8,11 @@ import threading
 import pytest
 from PySide6.QtCore import Qt
 
-from app.settings import AppSettings, SettingsDialog
-from app.worker import EngineWorker
-from engine.advisor import drafting_share, measure_costs, predict
-from engine.decode import next_draft_length
-from engine.events import StepEvent
+from speclens.app.settings import AppSettings, SettingsDialog
+from speclens.app.worker import EngineWorker
+from speclens.engine.decoding.advisor import drafting_share, measure_costs, predict
+from speclens.engine.decoding.decode import next_draft_length
+from speclens.engine.decoding.events import StepEvent
 from tests.app_fixtures import app_dirs, make_window, send_and_wait, tiny_factory  # noqa: F401 (fixtures)
 from tests.broken_samplers import residual_softmax
 
@@ -123,7 +123,7 @@ def test_method_list_comes_from_the_engine(qtbot, make_window):
 def test_selftest_runs_on_the_worker_thread_and_reports_pass_then_fail(qtbot, make_window):
     window = make_window(tiny_factory())
     window.apply_settings(AppSettings(method="draft", draft="tiny"), persist=False)
-    from engine.verify import verify_chain
+    from speclens.engine.decoding.verify import verify_chain
 
     threads = set()
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from PySide6.QtGui import QTextCursor
 
-from app.chat_view import SOURCE_PROPERTY, SOURCE_STYLES, ChatView, Message, token_tooltip
-from app.settings import AppSettings
-from engine.events import TokenEvent
+from speclens.app.chat_view import SOURCE_PROPERTY, SOURCE_STYLES, ChatView, Message, token_tooltip
+from speclens.app.settings import AppSettings
+from speclens.engine.decoding.events import TokenEvent
 from tests.app_fixtures import app_dirs, make_window, send_and_wait, tiny_factory  # noqa: F401 (fixtures)
 
 

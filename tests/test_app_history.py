@@ -14,12 +14,11 @@ from pathlib import Path
 
 from PySide6.QtGui import QTextCursor
 
-from app.chat_view import SOURCE_PROPERTY
-from app.history import HistoryStore
-from app.settings import AppSettings
-from engine.events import StepEvent, TokenEvent
-from tests.app_fixtures import (app_dirs, make_window, record_requests, send_and_wait,  # noqa: F401 (fixtures)
-                                tiny_factory)
+from speclens.app.chat_view import SOURCE_PROPERTY
+from speclens.app.history import HistoryStore
+from speclens.app.settings import AppSettings
+from speclens.engine.decoding.events import StepEvent, TokenEvent
+from tests.app_fixtures import app_dirs, make_window, record_requests, send_and_wait, tiny_factory  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,8 +81,8 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, {root!r})
     from PySide6.QtWidgets import QApplication
     app = QApplication([])
-    from app.settings import AppSettings
-    from app.window import MainWindow
+    from speclens.app.settings import AppSettings
+    from speclens.app.window import MainWindow
     from tests.app_fixtures import tiny_factory
     window = MainWindow(engine_factory=tiny_factory(step_delay_s=0.05), preload=False,
                         settings=AppSettings(method="lookup", max_new_tokens=5000))
@@ -194,8 +193,8 @@ def test_a_locked_history_loses_nothing_and_never_leaves_the_window_busy(qtbot, 
 
 
 def test_a_question_whose_answer_failed_is_not_sent_again():
-    from app.chat_view import Message
-    from app.window import model_context
+    from speclens.app.chat_view import Message
+    from speclens.app.window import model_context
 
     messages = [Message("user", "first"), Message("assistant", "", error="Could not load the model: gone"),
                 Message("user", "second"), Message("assistant", "an answer"),
@@ -225,7 +224,7 @@ def _action(menu, text: str):
 def test_regenerate_replaces_the_last_answer_on_screen_and_in_the_history(qtbot, make_window):
     from PySide6.QtGui import QGuiApplication
 
-    from app.chat_view import ChatView
+    from speclens.app.chat_view import ChatView
 
     window = make_window(tiny_factory(), settings=AppSettings(method="ar", temperature=0.0, max_new_tokens=8))
     assert not window.regenerate()  # nothing to answer again yet

@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from app.settings import CATALOG, AppSettings, SettingsDialog, SettingsStore, method_label, needs_reload
-from app.stats import diff_tokens, step_series
-from engine.events import StepEvent
-from engine.session import ModelSettings
+from speclens.app.settings import CATALOG, AppSettings, SettingsDialog, SettingsStore, method_label, needs_reload
+from speclens.app.stats import diff_tokens, step_series
+from speclens.engine.decoding.events import StepEvent
+from speclens.engine.session import ModelSettings
 from tests.app_fixtures import app_dirs, make_window, send_and_wait, tiny_factory  # noqa: F401 (fixtures)
 
 
@@ -150,8 +150,8 @@ def test_the_status_bar_names_the_method_briefly(make_window):
 def test_summary_names_the_proposers_only_when_several_drafted():
     from dataclasses import replace
 
-    from app.plots import summary_text
-    from engine.events import Summary
+    from speclens.app.plots import summary_text
+    from speclens.engine.decoding.events import Summary
 
     summary = Summary("eagle_lookup", 20, 8, 14, 12, 2.5, (0.9, 0.8), (1, 2, 5), 10.0, 2.0, 0.1, "eos", "text",
                       accepted_by=(("eagle", 8), ("lookup", 3), ("rest", 1)))
@@ -161,7 +161,7 @@ def test_summary_names_the_proposers_only_when_several_drafted():
 
 
 def test_k_axis_levels_its_largest_k_with_rate_one(qtbot):
-    from app.plots import RATE_RANGE, StepPlots
+    from speclens.app.plots import RATE_RANGE, StepPlots
 
     plots = StepPlots()
     qtbot.addWidget(plots)
@@ -176,7 +176,7 @@ def test_k_axis_levels_its_largest_k_with_rate_one(qtbot):
 
 
 def test_position_and_histogram_axes_show_drafts_past_k(qtbot):
-    from app.plots import StepPlots
+    from speclens.app.plots import StepPlots
 
     plots = StepPlots()
     qtbot.addWidget(plots)

@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 from PySide6.QtGui import QImage
 
-from app.main import parse_args
-from engine.advisor import drafting_share, measure_costs, predict
-from app.settings import AppSettings
-from engine.session import EngineError
-from tests.app_fixtures import (app_dirs, make_window, record_requests, send_and_wait,  # noqa: F401 (fixtures)
-                                tiny_factory)
+from speclens.app.main import parse_args
+from speclens.app.settings import AppSettings
+from speclens.engine.decoding.advisor import drafting_share, measure_costs, predict
+from speclens.engine.session import EngineError
+from tests.app_fixtures import app_dirs, make_window, record_requests, send_and_wait, tiny_factory  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,12 +87,12 @@ def test_the_system_prompt_opens_every_chat_and_comparison(qtbot, make_window):
 
 
 def test_compare_marks_differences(qtbot, make_window):
-    from app.stats import diff_tokens
+    from speclens.app.stats import diff_tokens
 
     window = make_window(tiny_factory())
     pane = window.compare.left
     window.compare.left.reset()
-    from engine.events import TokenEvent
+    from speclens.engine.decoding.events import TokenEvent
 
     pane.append([TokenEvent(i, f"t{i} ", "target", i, 0, 0.5, None) for i in range(4)])
     diff = diff_tokens([0, 1, 2, 3], [0, 1, 7, 3])

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-import engine.attention
-from engine.attention import ATTENTION_NAME, grouped_query_attention, use_grouped_attention
-from engine.cache import CachedModel
+from speclens.engine.runtime import attention
+from speclens.engine.runtime.attention import ATTENTION_NAME, grouped_query_attention, use_grouped_attention
+from speclens.engine.runtime.cache import CachedModel
 from tests.tiny import tiny_llama
 
 
@@ -48,8 +48,8 @@ def test_grouped_attention_model_gives_the_same_logits_and_is_used(monkeypatch):
     stock = run()
     assert use_grouped_attention(model) and model.config._attn_implementation == ATTENTION_NAME
     calls = []
-    original = engine.attention.grouped_query_attention
-    monkeypatch.setattr(engine.attention, "grouped_query_attention", lambda *a: calls.append(a[0].shape) or original(*a))
+    original = attention.grouped_query_attention
+    monkeypatch.setattr(attention, "grouped_query_attention", lambda *a: calls.append(a[0].shape) or original(*a))
     grouped = run()
     assert calls  # the verification blocks went through it; the one-token step did not need it
     for want, got in zip(stock, grouped):

@@ -3,13 +3,13 @@ import json
 import pytest
 import torch
 
-from engine.bench import BenchOptions, Prompt, load_prompts, markdown, run_bench, select_prompts
-from engine.cache import CachedModel
-from engine.cli import build_parser
-from engine.decode import GenerationConfig, generate
-from engine.drafters.synthetic import SyntheticDrafter, greedy_reference
-from engine.events import StepEvent
-from engine.sampling import SamplingParams
+from speclens.engine.decoding.decode import GenerationConfig, generate
+from speclens.engine.decoding.events import StepEvent
+from speclens.engine.decoding.sampling import SamplingParams
+from speclens.engine.drafters.synthetic import SyntheticDrafter, greedy_reference
+from speclens.engine.runtime.cache import CachedModel
+from speclens.engine.tools.bench import BenchOptions, Prompt, load_prompts, markdown, run_bench, select_prompts
+from speclens.engine.tools.cli import build_parser
 from tests.tiny import make_tiny_engine, tiny_llama, tiny_tokenizer
 
 PROMPTS = [
@@ -85,7 +85,7 @@ def test_unknown_method_is_refused(engine):
 
 
 def test_cli_writes_json_markdown_and_chart(engine, tmp_path, capsys):
-    from engine.bench import cmd_bench
+    from speclens.engine.tools.bench import cmd_bench
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"category": p.category, "turns": list(p.turns)}) + "\n" for p in PROMPTS))
@@ -133,7 +133,7 @@ def test_synthetic_drafter_acceptance_is_close_to_a(acceptance):
 
 
 def test_verify_cost_times_every_size_and_leaves_the_cache_as_it_found_it(engine, tmp_path, capsys):
-    from engine.bench import VERIFY_SIZES, cmd_bench, verify_cost
+    from speclens.engine.tools.bench import VERIFY_SIZES, cmd_bench, verify_cost
 
     ids = engine.encode_chat([{"role": "user", "content": PROMPTS[0].turns[0]}])
     costs = verify_cost(engine, ids, sizes=(1, 3, 9), rounds=2)
@@ -147,8 +147,8 @@ def test_verify_cost_times_every_size_and_leaves_the_cache_as_it_found_it(engine
 
 
 def test_verify_cost_compares_one_row_kernels_where_the_target_keeps_both():
-    from engine.bench import one_row_kernels
-    from engine.cpu_kernels import PackedLinear, pack_model, packed_kernels_work
+    from speclens.engine.runtime.cpu_kernels import PackedLinear, pack_model, packed_kernels_work
+    from speclens.engine.tools.bench import one_row_kernels
 
     if not packed_kernels_work(__import__("torch").float32):
         pytest.skip("no oneDNN packed linear in this torch")
@@ -165,7 +165,7 @@ def test_verify_cost_compares_one_row_kernels_where_the_target_keeps_both():
 
 def test_setting_threads_measures_prompt_lookups_cost_again(engine):
     """What a verified token costs depends on the thread count, so --threads times the forwards again."""
-    from engine.bench import set_threads
+    from speclens.engine.tools.bench import set_threads
 
     before = torch.get_num_threads()
     measured = engine.lookup_cost
@@ -179,8 +179,8 @@ def test_setting_threads_measures_prompt_lookups_cost_again(engine):
 
 
 def test_a_target_too_slow_to_time_quickly_gets_the_fixed_lookup_cost(monkeypatch):
-    from engine import session
-    from engine.drafters import StepCost
+    from speclens.engine import session
+    from speclens.engine.decoding.drafter import StepCost
 
     target = CachedModel(tiny_llama(seed=0))
     measured = session.measure_lookup_cost(target)
@@ -193,8 +193,8 @@ def test_a_target_too_slow_to_time_quickly_gets_the_fixed_lookup_cost(monkeypatc
 def test_pick_threads_keeps_the_fastest_count(engine, monkeypatch):
     """--threads auto: plain decoding is timed at each thread count tried, and the fastest is kept (the
     timings are fixed here: 2 threads the fastest, as on a busy machine where all cores lose)."""
-    from engine import bench
-    from engine.bench import Run
+    from speclens.engine.tools import bench
+    from speclens.engine.tools.bench import Run
 
     seconds_per_token = {1: 0.010, 2: 0.004}
     monkeypatch.setattr(bench.os, "cpu_count", lambda: 4)
@@ -215,7 +215,7 @@ def test_pick_threads_keeps_the_fastest_count(engine, monkeypatch):
 
 
 def test_markdown_flags_a_category_whose_output_differs_from_plain_decoding():
-    from engine.bench import BenchReport, MethodResult
+    from speclens.engine.tools.bench import BenchReport, MethodResult
 
     def result(equal):
         return MethodResult(100.0, 1.0, 1.5, equal, (0.5,), 10, 0.1)

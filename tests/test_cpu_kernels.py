@@ -6,8 +6,13 @@ import copy
 import pytest
 import torch
 
-from engine.cache import CachedModel
-from engine.cpu_kernels import (
+from speclens.engine.decoding.decode import GenerationConfig, generate
+from speclens.engine.decoding.events import Summary
+from speclens.engine.decoding.tree import TreeShape
+from speclens.engine.drafters.eagle import EagleDrafter, EagleHead
+from speclens.engine.drafters.medusa import MedusaDrafter, MedusaHeads
+from speclens.engine.runtime.cache import CachedModel
+from speclens.engine.runtime.cpu_kernels import (
     PackedLinear,
     drafter_linear,
     drafter_module,
@@ -17,13 +22,8 @@ from engine.cpu_kernels import (
     pack_model,
     packed_kernels_work,
 )
-from engine.models import _use_cpu_kernels
-from engine.native_kernels import NativeLinear
-from engine.decode import GenerationConfig, generate
-from engine.drafters.eagle import EagleDrafter, EagleHead
-from engine.drafters.medusa import MedusaDrafter, MedusaHeads
-from engine.events import Summary
-from engine.tree import TreeShape
+from speclens.engine.runtime.models import _use_cpu_kernels
+from speclens.engine.runtime.native_kernels import NativeLinear
 from tests.native import native_or_skip
 from tests.tiny import hf_greedy, tiny_llama, tiny_tokenizer
 

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from engine.cache import CachedModel
-from engine.decode import GenerationConfig
-from engine.drafters.datastore import Datastore, DatastoreDrafter
-from engine.events import Summary, TokenEvent
-from engine.session import Engine, EngineError
-from engine.tree import DraftModelTreeDrafter, LookupGraftedDrafter
+from speclens.engine.decoding.decode import GenerationConfig
+from speclens.engine.decoding.events import Summary, TokenEvent
+from speclens.engine.drafters.datastore import Datastore, DatastoreDrafter
+from speclens.engine.drafters.trees import DraftModelTreeDrafter, LookupGraftedDrafter
+from speclens.engine.runtime.cache import CachedModel
+from speclens.engine.session import Engine, EngineError
 from tests.test_tree import _prompt_ids, _run
 from tests.tiny import hf_greedy, loaded, tiny_llama
 
@@ -130,7 +130,7 @@ def test_a_wrong_datastore_costs_acceptance_not_exactness(target_model):
 def test_train_drafter_builds_a_datastore_of_the_distilled_answers(tmp_path, target_model):
     import json
 
-    from engine.cli import main
+    from speclens.engine.tools.cli import main
     from tests.tiny import tiny_tokenizer
 
     model_dir = tmp_path / "tiny-target"
@@ -161,7 +161,7 @@ def test_train_drafter_builds_a_datastore_of_the_distilled_answers(tmp_path, tar
 
 
 def test_eagle_lookup_grafts_the_datastore_it_is_given(tmp_path, target_model):
-    from engine.drafters.eagle import EagleHead
+    from speclens.engine.drafters.eagle import EagleHead
 
     head_dir, store_dir = tmp_path / "eagle", tmp_path / "store"
     EagleHead.for_target(target_model.config).save(head_dir)

@@ -3,13 +3,14 @@ import random
 import pytest
 import torch
 
-from engine.cache import CachedModel
-from engine.decode import GenerationConfig, generate, speculative_step
-from engine.detok import IncrementalDetokenizer
-from engine.drafters.draft_model import DraftModelDrafter
-from engine.drafters.lookup import PromptLookupDrafter, lookup
-from engine.events import StepEvent, Summary, TokenEvent
-from engine.sampling import SamplingParams
+from speclens.engine.decoding.decode import GenerationConfig, generate
+from speclens.engine.decoding.events import StepEvent, Summary, TokenEvent
+from speclens.engine.decoding.sampling import SamplingParams
+from speclens.engine.decoding.step import speculative_step
+from speclens.engine.drafters.draft_model import DraftModelDrafter
+from speclens.engine.drafters.lookup import PromptLookupDrafter, lookup
+from speclens.engine.runtime.cache import CachedModel
+from speclens.engine.runtime.detok import IncrementalDetokenizer
 from tests.tiny import assert_cache_matches_fresh_prefill, hf_greedy, tiny_llama, tiny_tokenizer
 
 PROMPT = "one two three four five six one two three four"
@@ -192,8 +193,8 @@ def test_lookup_finds_latest_longest_match():
 def test_lookup_with_a_cost_cut_drafts_only_the_tokens_worth_verifying():
     from itertools import accumulate
 
-    from engine.drafters import StepCost, worth_floor, worthwhile_count
-    from engine.drafters.lookup import LOOKUP_ACCEPTANCE, PromptLookupDrafter
+    from speclens.engine.decoding.drafter import StepCost, worth_floor, worthwhile_count
+    from speclens.engine.drafters.lookup import LOOKUP_ACCEPTANCE, PromptLookupDrafter
 
     # against brute force over every prefix of a non-increasing chain of values, for linear costs and for
     # random convex ones (flat stretches included, as measured forwards have)
@@ -235,7 +236,7 @@ def test_step_costs_from_measured_forwards_are_rising_and_convex():
     """Timed forwards are noisy: StepCost.measured takes the running maximum, then its lower convex hull,
     which keeps the measured points it can and lies at or under the others; costs that fall or bend the
     wrong way are refused outright."""
-    from engine.drafters import StepCost
+    from speclens.engine.decoding.drafter import StepCost
 
     seconds = [6.2, 6.5, 5.9, 6.4, 7.0, 8.0, 8.5, 9.4, 10.3]  # ms: a CPU's forwards of 1 .. 9 tokens
     cost = StepCost.measured(seconds)
@@ -264,9 +265,9 @@ def test_incremental_detokenizer_matches_full_decode():
 def test_a_step_cut_short_counts_only_the_drafts_it_used():
     """eagle_lookup's lookup chain may reach past max_new_tokens (its own length); the step is cut there,
     and the statistics count the accepted drafts that were emitted, as accepted_by does."""
-    from engine.drafters.eagle import EagleDrafter, EagleHead
-    from engine.session import LOOKUP_CHAIN_TOKENS, STORE_CHAIN_TOKENS
-    from engine.tree import LookupGraftedDrafter
+    from speclens.engine.drafters.eagle import EagleDrafter, EagleHead
+    from speclens.engine.drafters.trees import LookupGraftedDrafter
+    from speclens.engine.session import LOOKUP_CHAIN_TOKENS, STORE_CHAIN_TOKENS
 
     target_model = tiny_llama(seed=0)
     torch.manual_seed(4)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from engine.decode import GenerationConfig
-from engine.events import Summary
-from engine.session import Engine, ModelSettings
+from speclens.engine.decoding.decode import GenerationConfig
+from speclens.engine.decoding.events import Summary
+from speclens.engine.session import Engine, ModelSettings
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ def test_every_method_greedy_equals_plain_decoding(engine):
 def test_draft_model_methods_greedy_equal_plain_decoding_on_the_default_pair(engine):
     """`draft` and `tree` need a second model: the default model drafting for itself, which should accept
     nearly every draft, and must still give plain decoding's tokens."""
-    from engine.models import DEFAULT_MODEL
+    from speclens.engine.runtime.models import DEFAULT_MODEL
 
     paired = Engine.load(ModelSettings(draft=DEFAULT_MODEL))
     assert {"draft", "tree"} <= set(paired.methods)
@@ -75,9 +75,10 @@ def test_verification_scores_every_token_exactly_as_plain_decoding(engine):
     """Where the native kernels are built the default model's forward is batch invariant: the logits of
     an eagle_lookup tree's nodes equal, bit for bit, those plain decoding computes for the same tokens,
     so at any temperature verification samples from exactly plain decoding's distributions."""
-    from engine.cache import CachedModel
-    from engine.cpu_kernels import native_kernel_of
-    from engine.tree import LookupGraftedDrafter, ancestor_path
+    from speclens.engine.drafters.trees import LookupGraftedDrafter
+    from speclens.engine.runtime.cache import CachedModel
+    from speclens.engine.runtime.cpu_kernels import native_kernel_of
+    from speclens.engine.runtime.masks import ancestor_path
     from tests.native import native_or_skip
 
     native_or_skip()
@@ -105,9 +106,9 @@ def test_every_method_greedy_equals_plain_decoding_with_one_row_stock_kernels(bl
     """Plain decoding's single rows on stock F.linear, verification blocks on packed oneDNN or MKL
     kernels (what `auto` does where stock measures faster one row at a time, and MKL faster for
     blocks): greedy outputs still agree."""
-    from engine.cpu_kernels import PackedLinear, mkl_blocks_work, pack_model, packed_kernels_work
-    from engine.models import DEFAULT_MODEL, LoadOptions, load_model
-    from engine.session import DEFAULT_HEADS, SHIPPED_HEADS
+    from speclens.engine.runtime.cpu_kernels import PackedLinear, mkl_blocks_work, pack_model, packed_kernels_work
+    from speclens.engine.runtime.models import DEFAULT_MODEL, LoadOptions, load_model
+    from speclens.engine.session import DEFAULT_HEADS, SHIPPED_HEADS
 
     if not packed_kernels_work(torch.float32):
         pytest.skip("no oneDNN packed linear in this torch")
@@ -128,9 +129,16 @@ def test_every_method_greedy_equals_plain_decoding_with_one_row_stock_kernels(bl
 
 
 def test_head_methods_use_the_device_tree_budget(engine, monkeypatch):
-    from engine.drafters import StepCost
-    from engine.session import (CPU_STEP_ROWS, LOOKUP_COST_TOKENS, LOOKUP_CPU_STEP_ROWS, EngineError, eagle_top_k,
-                                head_step_cost, tree_budget)
+    from speclens.engine.decoding.drafter import StepCost
+    from speclens.engine.session import (
+        CPU_STEP_ROWS,
+        LOOKUP_COST_TOKENS,
+        LOOKUP_CPU_STEP_ROWS,
+        EngineError,
+        eagle_top_k,
+        head_step_cost,
+        tree_budget,
+    )
 
     assert tree_budget(torch.device("cpu")) == 4 and tree_budget(torch.device("cuda")) == 32
     assert tree_budget(torch.device("cpu"), 16) == 16

@@ -6,9 +6,17 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from engine.distilled import (MAX_SHARD_BYTES, DistilledSequence, read_all, read_shard, run_id, shard_paths,
-                              write_shards)
-from tests.tiny import tiny_llama as tiny_model, tiny_tokenizer
+from speclens.engine.tools.distilled import (
+    MAX_SHARD_BYTES,
+    DistilledSequence,
+    read_all,
+    read_shard,
+    run_id,
+    shard_paths,
+    write_shards,
+)
+from tests.tiny import tiny_llama as tiny_model
+from tests.tiny import tiny_tokenizer
 
 
 def _sequences(n, length=7, top=300):
@@ -72,7 +80,7 @@ def test_run_id_is_stable_and_depends_on_the_settings():
 
 
 def test_train_drafter_writes_shards_and_trains_on_every_shard(tmp_path):
-    from engine.cli import main
+    from speclens.engine.tools.cli import main
 
     model = tiny_model(seed=0)
     model_dir = tmp_path / "tiny-target"
@@ -104,7 +112,7 @@ def test_train_drafter_writes_shards_and_trains_on_every_shard(tmp_path):
 
 
 def test_features_recomputed_from_a_shard_equal_the_distilled_ones(tmp_path):
-    from engine import train
+    from speclens.engine.tools import train
 
     model = tiny_model(seed=0)
     sequences = [DistilledSequence(tuple(range(3, 3 + n)), 2, 0.0) for n in (4, 9, 6)]

@@ -10,20 +10,21 @@ import itertools
 import pytest
 import torch
 
-import engine.decode as decode
-import engine.verify
-from engine.cache import CachedModel
-from engine.decode import GenerationConfig, generate
-from engine.drafters import StepCost
-from engine.drafters.datastore import Datastore
-from engine.drafters.draft_model import DraftModelDrafter
-from engine.drafters.eagle import EagleDrafter, EagleHead
-from engine.drafters.medusa import MedusaDrafter, MedusaHeads
-from engine.events import Summary
-from engine.sampling import SamplingParams, process_logits
-from engine.selftest import chi_square_p_value
-import engine.tree
-from engine.tree import CHAIN_PATHS, DraftModelTreeDrafter, LookupGraftedDrafter, TreeShape
+import speclens.engine.decoding.decode as decode
+import speclens.engine.decoding.tree as tree_module
+import speclens.engine.decoding.verify as verify_module
+from speclens.engine.decoding.decode import GenerationConfig, generate
+from speclens.engine.decoding.drafter import StepCost
+from speclens.engine.decoding.events import Summary
+from speclens.engine.decoding.sampling import SamplingParams, process_logits
+from speclens.engine.decoding.tree import CHAIN_PATHS, TreeShape
+from speclens.engine.drafters.datastore import Datastore
+from speclens.engine.drafters.draft_model import DraftModelDrafter
+from speclens.engine.drafters.eagle import EagleDrafter, EagleHead
+from speclens.engine.drafters.medusa import MedusaDrafter, MedusaHeads
+from speclens.engine.drafters.trees import DraftModelTreeDrafter, LookupGraftedDrafter
+from speclens.engine.runtime.cache import CachedModel
+from speclens.engine.tools.selftest import chi_square_p_value
 from tests.broken_samplers import resample_from_target
 from tests.tiny import tiny_llama
 
@@ -108,7 +109,7 @@ def test_lookup_grafted_tree_generation_is_exact(models, with_store, step_rows, 
 
 
 def test_lookup_grafted_check_fails_when_rejected_siblings_keep_their_mass(models, monkeypatch):
-    monkeypatch.setattr(engine.verify, "_residual", lambda p_target, p_draft: p_target)  # p not updated
+    monkeypatch.setattr(verify_module, "_residual", lambda p_target, p_draft: p_target)  # p not updated
     drafter = LookupGraftedDrafter(DraftModelTreeDrafter(CachedModel(models[1]), None, top_k=2, budget=4), "tree_lookup")
     config = GenerationConfig(method="tree_lookup", k=3, max_new_tokens=N_TOKENS, sampling=PARAMS)
     counts = sampled_counts(models, config, trials=3000, drafter=drafter)
@@ -186,8 +187,8 @@ def test_every_drafter_is_exact_under_top_k_top_p_and_repetition_penalty(models,
 def test_warped_check_fails_when_verification_forgets_the_warpers(models, warped_law, monkeypatch):
     """A tree step that scores the target without top-p and the repetition penalty (the drafter still
     warps): the law drifts and the same check rejects it."""
-    original = engine.tree.tree_scores
-    monkeypatch.setattr(engine.tree, "tree_scores", lambda logits, params, *rest: original(
+    original = tree_module.tree_scores
+    monkeypatch.setattr(tree_module, "tree_scores", lambda logits, params, *rest: original(
         logits, dataclasses.replace(params, top_p=1.0, repetition_penalty=1.0), *rest))
     assert not law_matches(_warped_counts(models, "eagle_dynamic"), warped_law)
 

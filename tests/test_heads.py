@@ -1,14 +1,16 @@
 import pytest
 import torch
 
-from engine.cache import AppendLayer, CachedModel
-from engine.decode import GenerationConfig, generate
-from engine.drafters import StepCost
-from engine.drafters.eagle import EagleDrafter, EagleHead
-from engine.drafters.medusa import MedusaDrafter, MedusaHeads
-from engine.events import Summary, TokenEvent
-from engine.sampling import SamplingParams
-from engine.tree import LookupGraftedDrafter, TreeShape, keep_worthwhile, node_depths
+from speclens.engine.decoding.decode import GenerationConfig, generate
+from speclens.engine.decoding.drafter import StepCost
+from speclens.engine.decoding.events import Summary, TokenEvent
+from speclens.engine.decoding.sampling import SamplingParams
+from speclens.engine.decoding.tree import TreeShape, keep_worthwhile
+from speclens.engine.drafters.eagle import EagleDrafter, EagleHead
+from speclens.engine.drafters.medusa import MedusaDrafter, MedusaHeads
+from speclens.engine.drafters.trees import LookupGraftedDrafter
+from speclens.engine.runtime.cache import AppendLayer, CachedModel
+from speclens.engine.runtime.masks import node_depths
 from tests.tiny import hf_greedy, tiny_llama, tiny_tokenizer
 
 PROMPT = "one two three four five six one two three four"
@@ -292,7 +294,7 @@ def test_eagle_head_forward_equals_hf_decoder_layer(target_model):
 def test_eagle_draft_vocabulary_candidates_equal_full_row_processing(target_model):
     # the dynamic tree ranks candidates within the draft vocabulary; the base class's full-vocabulary
     # path (logits -inf outside it, then processed) must give the same tokens and probabilities
-    from engine.tree import DraftModelTreeDrafter
+    from speclens.engine.drafters.trees import DraftModelTreeDrafter
 
     target = CachedModel(target_model)
     drafter = EagleDrafter(_draft_vocab_eagle(target_model), target, None, top_k=4, budget=8)
@@ -330,7 +332,7 @@ def test_a_public_eagle1_checkpoint_loads_and_drafts_exactly(tmp_path, target_mo
 
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from engine.session import Engine, EngineError
+    from speclens.engine.session import Engine, EngineError
     from tests.tiny import loaded
 
     reference = _random_eagle(target_model, seed=7)
@@ -427,7 +429,7 @@ def _saved(folder, head):
 def test_train_drafter_end_to_end_on_a_tiny_target(tmp_path, target_model, kind):
     import json
 
-    from engine.cli import main
+    from speclens.engine.tools.cli import main
 
     model_dir = tmp_path / "tiny-target"
     target_model.save_pretrained(model_dir)
@@ -494,7 +496,7 @@ def test_train_drafter_measures_tau_later_with_evaluate_only(tmp_path, target_mo
     import json
     import shutil
 
-    from engine.cli import main
+    from speclens.engine.tools.cli import main
 
     model_dir = tmp_path / "tiny-target"
     target_model.save_pretrained(model_dir)
@@ -541,7 +543,7 @@ def test_train_drafter_measures_tau_later_with_evaluate_only(tmp_path, target_mo
 def test_packed_steps_are_block_diagonal_causal():
     """Packed training steps: per-sample positions, a causal mask within each sample and none across,
     and the answer region starting two tokens before each sample's answer."""
-    from engine.train import _packed
+    from speclens.engine.tools.train import _packed
 
     step = [{"tokens": torch.arange(n), "answer_start": torch.tensor(a)} for n, a in ((5, 3), (1, 0), (4, 2))]
     positions, mask, answer = _packed(step)
@@ -554,7 +556,7 @@ def test_packed_steps_are_block_diagonal_causal():
 def _assert_tree_features_equal_linear_runs(drafter, head, target_model, ids, tokens, parents):
     """Every memoised node feature equals an uncached linear EAGLE run: context inputs (f_i, t_{i+1}),
     then (f_hat(parent), x) along the node's path."""
-    from engine.tree import ancestor_path
+    from speclens.engine.runtime.masks import ancestor_path
 
     embed = target_model.get_input_embeddings()
     features = drafter.features[: len(ids) - 1]  # [L-1, H]
@@ -608,7 +610,7 @@ def test_eagle_cached_drafting_after_rollbacks_equals_uncached(target_model, sha
 
 
 def test_corrupt_head_weights_are_a_clear_error(tmp_path, target_model):
-    from engine.session import Engine, EngineError
+    from speclens.engine.session import Engine, EngineError
     from tests.tiny import loaded
 
     EagleHead.for_target(target_model.config).save(tmp_path)
@@ -620,7 +622,7 @@ def test_corrupt_head_weights_are_a_clear_error(tmp_path, target_model):
 def test_sampled_answers_take_their_temperatures_in_turn(tmp_path, monkeypatch):
     import argparse
 
-    from engine import train
+    from speclens.engine.tools import train
 
     seen = []
 
@@ -652,7 +654,7 @@ def test_training_killed_after_an_epoch_resumes_to_the_same_head(tmp_path, targe
     with the weights, bit for bit, of a run that was never stopped."""
     import json
 
-    from engine.cli import main
+    from speclens.engine.tools.cli import main
 
     model_dir = tmp_path / "tiny-target"
     target_model.save_pretrained(model_dir)

@@ -9,10 +9,10 @@ import copy
 import pytest
 import torch
 
-from engine.cache import AppendLayer, CachedModel
-from engine.lean_forward import lean_forward_for
-from engine.models import _use_cpu_kernels
-from engine.native_kernels import native_build, use_native_linears
+from speclens.engine.runtime.cache import AppendLayer, CachedModel
+from speclens.engine.runtime.lean_forward import lean_forward_for
+from speclens.engine.runtime.models import _use_cpu_kernels
+from speclens.engine.runtime.native_kernels import native_build, use_native_linears
 from tests.native import native_or_skip, needs_native
 from tests.tiny import tiny_llama, tiny_tokenizer
 
@@ -137,7 +137,7 @@ def test_lean_forward_only_where_it_applies():
 
 @needs_native
 def test_eagle_head_on_the_native_kernels_computes_what_it_computes_on_pytorchs():
-    from engine.drafters.eagle import EagleHead
+    from speclens.engine.drafters.eagle import EagleHead
 
     target = tiny_llama()
     head = EagleHead.for_target(target.config).eval()

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.cli import main
-from engine.models import ModelLoadError, check_pair, load_model
-from engine.session import Engine, EngineError, ModelSettings
+from speclens.engine.runtime.models import ModelLoadError, check_pair, load_model
+from speclens.engine.session import Engine, EngineError, ModelSettings
+from speclens.engine.tools.cli import main
 from tests.tiny import loaded, tiny_llama, tiny_tokenizer
 
 
@@ -47,8 +47,8 @@ def test_cli_draft_model_matches_plain(model_folder, capsys):
 def test_cli_head_and_tree_methods_match_plain_with_the_same_jsonl(model_folder, tmp_path, capsys):
     """`generate --method {eagle,eagle_chain,medusa} --drafter DIR` and `--method tree --draft MODEL` print
     the same JSONL as the other methods, and greedy, the same tokens as plain decoding."""
-    from engine.drafters.eagle import EagleHead
-    from engine.drafters.medusa import MedusaHeads
+    from speclens.engine.drafters.eagle import EagleHead
+    from speclens.engine.drafters.medusa import MedusaHeads
 
     target = tiny_llama(seed=0)
     torch.manual_seed(4)
@@ -159,8 +159,8 @@ def test_padding_ids_are_never_sampled():
         target.lm_head.weight[n_tokens:, 0] = 1e4  # padding rows would dominate if not masked
     engine = Engine(loaded(target, "padded"), loaded(tiny_llama(seed=1, layers=1, vocab=n_tokens + 32), "d"))
     assert engine.compatibility.ok and engine.compatibility.n_vocab == n_tokens
-    from engine.decode import GenerationConfig
-    from engine.sampling import SamplingParams
+    from speclens.engine.decoding.decode import GenerationConfig
+    from speclens.engine.decoding.sampling import SamplingParams
 
     config = GenerationConfig(method="draft", max_new_tokens=30, sampling=SamplingParams(temperature=1.0), seed=0)
     summary = list(engine.generate_ids([5, 6, 7], config))[-1]

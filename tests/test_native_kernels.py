@@ -13,16 +13,21 @@ import numpy as np
 import pytest
 import torch
 
-from engine import native_kernels
-from engine.cache import CachedModel
-from engine.cpu_kernels import drafter_linear, drafter_module, is_packed, native_kernel_of
-from engine.drafters.eagle import EagleHead
-from engine.attention import NATIVE_ATTENTION_NAME, _attention, _native_attention, grouped_query_attention
-from engine.models import LoadOptions, ModelLoadError, _use_cpu_kernels
-from engine.native_kernels import NativeLinear, native_build, use_native_linears
-from engine.selftest import block_invariance_line
-from engine.session import Engine
-from engine.tree import tree_attention
+from speclens.engine.drafters.eagle import EagleHead
+from speclens.engine.runtime import native_kernels
+from speclens.engine.runtime.attention import (
+    NATIVE_ATTENTION_NAME,
+    _attention,
+    _native_attention,
+    grouped_query_attention,
+)
+from speclens.engine.runtime.cache import CachedModel
+from speclens.engine.runtime.cpu_kernels import drafter_linear, drafter_module, is_packed, native_kernel_of
+from speclens.engine.runtime.masks import tree_attention
+from speclens.engine.runtime.models import LoadOptions, ModelLoadError, _use_cpu_kernels
+from speclens.engine.runtime.native_kernels import NativeLinear, native_build, use_native_linears
+from speclens.engine.session import Engine
+from speclens.engine.tools.selftest import block_invariance_line
 from tests.native import native_or_skip, needs_native
 from tests.tiny import loaded, tiny_llama, tiny_tokenizer
 
@@ -415,7 +420,7 @@ def test_the_selftest_checks_block_invariance_and_fails_without_it(monkeypatch):
     # looks attention up by name; the lean forward calls the kernel itself) breaks bit-for-bit equality
     from transformers import AttentionInterface
 
-    monkeypatch.setattr("engine.cache.lean_forward_for", lambda model: None)
+    monkeypatch.setattr("speclens.engine.runtime.cache.lean_forward_for", lambda model: None)
     AttentionInterface.register(NATIVE_ATTENTION_NAME, _attention)
     try:
         line, ok = block_invariance_line(exact, prompt, prompt[:6])
@@ -460,7 +465,7 @@ def test_a_damaged_build_is_redone_once(monkeypatch, tmp_path):
 def test_a_build_killed_midway_does_not_hang_the_next_start():
     """torch's builder waits for its `lock` file to disappear; one left by a killed build is removed."""
     (native_kernels.build_dir() / "lock").touch()
-    script = "from engine.native_kernels import native_build; print(native_build().module is not None)"
+    script = "from speclens.engine.runtime.native_kernels import native_build; print(native_build().module is not None)"
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[1])
     assert run.stdout.strip() == "True", run.stdout + run.stderr

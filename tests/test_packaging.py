@@ -21,7 +21,7 @@ def test_desktop_entry_matches_the_application():
     assert desktop["Exec"].split()[0] == "speclens-gui"
     assert (ROOT / "resources" / "icons" / f"{desktop['Icon']}.svg").exists()
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert 'speclens-gui = "app.main:main"' in pyproject
+    assert 'speclens-gui = "speclens.app.main:main"' in pyproject
 
 
 def test_appstream_metadata_is_well_formed():
@@ -42,6 +42,6 @@ def test_freezing_recipe_parses_and_its_paths_exist():
 
 
 def test_doctor_runs():
-    result = subprocess.run([sys.executable, "-m", "engine.cli", "doctor"], capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run([sys.executable, "-m", "speclens.app.launcher", "doctor"], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0 and "torch:" in result.stdout and "default model:" in result.stdout, (
         result.stdout + result.stderr)

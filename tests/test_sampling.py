@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, process_logits, seen_mask
+from speclens.engine.decoding.sampling import SamplingParams, process_logits, seen_mask
 
 LOGITS = torch.tensor([[4.0, 3.0, 2.0, 1.0, -1.0]])
 EMPTY = torch.empty(0, dtype=torch.long)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.train import sample_rows, user_turn_prefix, write_self_prompts
+from speclens.engine.tools.train import sample_rows, user_turn_prefix, write_self_prompts
 from tests.tiny import tiny_llama, tiny_tokenizer
 
 
@@ -80,7 +80,7 @@ def test_self_prompts_stop_with_a_clear_error_when_nothing_new_comes(tmp_path, w
 
 
 def test_train_drafter_adds_self_prompts_distilled_by_a_bfloat16_copy(tmp_path):
-    from engine.cli import main
+    from speclens.engine.tools.cli import main
 
     model_dir = tmp_path / "tiny-target"
     tiny_llama(seed=3).save_pretrained(model_dir)

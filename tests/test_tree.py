@@ -3,29 +3,19 @@ from dataclasses import replace
 import pytest
 import torch
 
-import engine.verify
-from engine.cache import TREE_SLOT, CachedModel
-from engine.decode import GenerationConfig, generate
-from engine.drafters import StepCost, worth_floor
-from engine.drafters.datastore import STORE_ACCEPTANCE, STORE_BESIDE_A_TREE, Datastore
-from engine.drafters.lookup import chain_acceptance, lookup_match
-from engine.events import StepEvent, Summary, TokenEvent
-from engine.sampling import SamplingParams
-from engine.selftest import check_tree_exactness
-from engine.tree import (
-    DraftModelTreeDrafter,
-    DraftTree,
-    LookupGraftedDrafter,
-    TreeShape,
-    ancestor_path,
-    node_depths,
-    select_by_value,
-    graft_chain,
-    keep_best,
-    keep_worthwhile,
-    tree_attention,
-)
-from engine.verify import verify_tree, verify_tree_greedy
+import speclens.engine.decoding.verify as verify_module
+from speclens.engine.decoding.decode import GenerationConfig, generate
+from speclens.engine.decoding.drafter import StepCost, worth_floor
+from speclens.engine.decoding.events import StepEvent, Summary, TokenEvent
+from speclens.engine.decoding.sampling import SamplingParams
+from speclens.engine.decoding.tree import DraftTree, TreeShape, graft_chain, keep_best, keep_worthwhile, select_by_value
+from speclens.engine.decoding.verify import verify_tree, verify_tree_greedy
+from speclens.engine.drafters.datastore import STORE_ACCEPTANCE, STORE_BESIDE_A_TREE, Datastore
+from speclens.engine.drafters.lookup import chain_acceptance, lookup_match
+from speclens.engine.drafters.trees import DraftModelTreeDrafter, LookupGraftedDrafter
+from speclens.engine.runtime.cache import TREE_SLOT, CachedModel
+from speclens.engine.runtime.masks import ancestor_path, node_depths, tree_attention
+from speclens.engine.tools.selftest import check_tree_exactness
 from tests.tiny import assert_cache_matches_fresh_prefill, hf_greedy, tiny_llama, tiny_tokenizer
 
 PROMPT = "one two three four five six one two three four"
@@ -61,7 +51,7 @@ def _unclamped_residual(p_target, p_draft):
 @pytest.mark.parametrize("mode", ["independent", "deterministic"])
 def test_exactness_check_rejects_broken_sibling_residual(monkeypatch, residual, mode):
     # _keep_target_row: p is not updated after a sibling is rejected.
-    monkeypatch.setattr(engine.verify, "_residual", residual)
+    monkeypatch.setattr(verify_module, "_residual", residual)
     result = check_tree_exactness(verify_tree, branching=(3, 2), draft_mode=mode, trials=8192, seed=2)
     assert not result.passed, result.describe()
 

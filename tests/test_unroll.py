@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from engine.drafters.eagle import EagleHead
-from engine.train import _packed, eagle_loss, unrolled_mask, unrolled_predictions
+from speclens.engine.drafters.eagle import EagleHead
+from speclens.engine.tools.train import _packed, eagle_loss, unrolled_mask, unrolled_predictions
 from tests.tiny import tiny_llama
 
 
@@ -92,7 +92,7 @@ def test_unrolled_loss_trains_every_pass():
 
 
 def test_unroll_option_is_checked_before_any_work(tmp_path):
-    from engine.train import TrainOptions, run
+    from speclens.engine.tools.train import TrainOptions, run
 
     for kind, unroll in (("eagle", 0), ("medusa", 2)):
         with pytest.raises(ValueError, match="--unroll"):

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from engine.selftest import check_chain_exactness
-from engine.verify import verify_chain, verify_chain_greedy
+from speclens.engine.decoding.verify import verify_chain, verify_chain_greedy
+from speclens.engine.tools.selftest import check_chain_exactness
 from tests.broken_samplers import BROKEN
 
 
@@ -61,7 +61,7 @@ def test_greedy_verification():
 
 
 def test_selftest_reports_failure_for_broken_verifiers():
-    from engine.selftest import run_selftest
+    from speclens.engine.tools.selftest import run_selftest
     from tests.broken_samplers import resample_from_target
 
     good = run_selftest(None, trials=8192)

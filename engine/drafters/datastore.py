@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from engine.drafters import Draft, StatelessDrafter
-from engine.sampling import SamplingParams
+from speclens.engine.decoding.drafter import Draft, StatelessDrafter
+from speclens.engine.decoding.sampling import SamplingParams
 
 END = -1  # separates stored sequences; no continuation runs across it
 MAX_MATCHES = 512  # continuations counted per draft (an evenly spaced sample of a frequent tail's matches)

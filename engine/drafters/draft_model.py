@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache import CachedModel
-from engine.drafters import Draft
-from engine.sampling import SamplingParams, process_logits
+from speclens.engine.decoding.drafter import Draft
+from speclens.engine.decoding.sampling import SamplingParams, process_logits
+from speclens.engine.runtime.cache import CachedModel
 
 
 class DraftModelDrafter:

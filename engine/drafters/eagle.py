@@ -23,13 +23,16 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from engine.attention import grouped_query_attention
-from engine.cache import AppendLayer, CachedModel, common_prefix
-from engine.cpu_kernels import drafter_module
-from engine.drafters import StepCost, draft_vocab_rows, full_vocab_logits
-from engine.lean_forward import decoder_layers_fit, decoder_weights
-from engine.sampling import SamplingParams, process_logits
-from engine.tree import DraftModelTreeDrafter, DraftTree, TreeShape, ancestor_path, node_depths, tree_attention
+from speclens.engine.decoding.drafter import StepCost
+from speclens.engine.decoding.sampling import SamplingParams, process_logits
+from speclens.engine.decoding.tree import DraftTree, TreeShape
+from speclens.engine.drafters.trees import DraftModelTreeDrafter
+from speclens.engine.drafters.vocab import draft_vocab_rows, full_vocab_logits
+from speclens.engine.runtime.attention import grouped_query_attention
+from speclens.engine.runtime.cache import AppendLayer, CachedModel, common_prefix
+from speclens.engine.runtime.cpu_kernels import drafter_module
+from speclens.engine.runtime.lean_forward import decoder_layers_fit, decoder_weights
+from speclens.engine.runtime.masks import ancestor_path, node_depths, tree_attention
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

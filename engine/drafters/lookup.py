@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.drafters import Draft, StatelessDrafter, StepCost, worthwhile_count
-from engine.sampling import SamplingParams
+from speclens.engine.decoding.drafter import Draft, StatelessDrafter, StepCost, worthwhile_count
+from speclens.engine.decoding.sampling import SamplingParams
 
 
 class PromptLookupDrafter(StatelessDrafter):

@@ -24,11 +24,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.cache import CachedModel
-from engine.cpu_kernels import drafter_module, drafting_dtype
-from engine.drafters import StatelessDrafter, StepCost, draft_vocab_rows, full_vocab_logits
-from engine.sampling import SamplingParams, process_logits
-from engine.tree import DraftTree, TreeShape, keep_worthwhile, node_depths
+from speclens.engine.decoding.drafter import StatelessDrafter, StepCost
+from speclens.engine.decoding.sampling import SamplingParams, process_logits
+from speclens.engine.decoding.tree import DraftTree, TreeShape, keep_worthwhile
+from speclens.engine.drafters.vocab import draft_vocab_rows, full_vocab_logits
+from speclens.engine.runtime.cache import CachedModel
+from speclens.engine.runtime.cpu_kernels import drafter_module, drafting_dtype
+from speclens.engine.runtime.masks import node_depths
 
 
 class ResBlock(nn.Module):

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.drafters import Draft, StatelessDrafter
-from engine.sampling import SamplingParams
+from speclens.engine.decoding.drafter import Draft, StatelessDrafter
+from speclens.engine.decoding.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the decoding loop needs transformers; packaging/gpu_bench.py needs only torch
-    from engine.cache import CachedModel
+    from speclens.engine.runtime.cache import CachedModel
 
 
 class SyntheticDrafter(StatelessDrafter):
@@ -51,7 +51,7 @@ class SyntheticDrafter(StatelessDrafter):
 
 def greedy_reference(target: CachedModel, prompt_ids: Sequence[int], n: int) -> list[int]:
     """prompt_ids followed by the target's first n greedy tokens (through the engine's own step)."""
-    from engine.decode import speculative_step
+    from speclens.engine.decoding.step import speculative_step
 
     ids = list(prompt_ids)
     target.prefill(ids)

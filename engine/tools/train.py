@@ -318,7 +318,7 @@ def variant_temperature(options: TrainOptions, variant: int) -> float:
 
 def shard_run(options: TrainOptions, target_name: str) -> str:
     """The name of this run's shards: the settings that decide what it distils."""
-    from engine.distilled import run_id
+    from speclens.engine.tools.distilled import run_id
 
     facts = {k: v for k, v in _neutral(options).items() if k in (
         "prompts", "self_prompts", "self_prompt_temperature", "answer_tokens", "sampled_answers",
@@ -328,7 +328,7 @@ def shard_run(options: TrainOptions, target_name: str) -> str:
 
 def save_shards(samples: list[dict], options: TrainOptions, target_name: str, run: str) -> list[Path]:
     """The run's distilled answers as committed-size token-id shards in options.shards[0]."""
-    from engine.distilled import DistilledSequence, write_shards
+    from speclens.engine.tools.distilled import DistilledSequence, write_shards
 
     rows = sorted(samples, key=lambda s: (int(s["prompt"]), int(s["variant"])))
     sequences = [DistilledSequence(tuple(s["tokens"].tolist()), int(s["answer_start"]),
@@ -609,10 +609,10 @@ def draft_vocabulary(samples: list[dict], n: int) -> tuple[torch.Tensor, float]:
 def load_head(kind: str, folder: str | Path, model):
     """A trained head of `kind` from `folder`, for the target `model` (float32)."""
     if kind == "eagle":
-        from engine.drafters.eagle import EagleHead
+        from speclens.engine.drafters.eagle import EagleHead
 
         return EagleHead.load(folder).float()
-    from engine.drafters.medusa import MedusaHeads
+    from speclens.engine.drafters.medusa import MedusaHeads
 
     config = model.config.get_text_config()
     return MedusaHeads.load(folder, config.hidden_size, config.vocab_size)
@@ -621,7 +621,7 @@ def load_head(kind: str, folder: str | Path, model):
 def new_head(kind: str, model, options: TrainOptions):
     config = model.config.get_text_config()
     if kind == "eagle":
-        from engine.drafters.eagle import EagleHead
+        from speclens.engine.drafters.eagle import EagleHead
 
         if options.init_from:
             head = load_head(kind, options.init_from, model)
@@ -634,7 +634,7 @@ def new_head(kind: str, model, options: TrainOptions):
         if options.init_from_target:
             head.layer.load_state_dict(model.model.layers[-1].state_dict())
         return head
-    from engine.drafters.medusa import MedusaHeads
+    from speclens.engine.drafters.medusa import MedusaHeads
 
     if options.init_from:
         heads = load_head(kind, options.init_from, model)
@@ -660,7 +660,7 @@ class EvalSetup:
 
 def decoding_setups(kind: str, head, options: TrainOptions) -> dict[str, EvalSetup]:
     """The decoding setups a head is evaluated with."""
-    from engine.tree import CHAIN_PATHS, DEFAULT_TREE_PATHS, TreeShape
+    from speclens.engine.decoding.tree import CHAIN_PATHS, DEFAULT_TREE_PATHS, TreeShape
 
     def setup(description: str, shape, depth: int) -> EvalSetup:
         return EvalSetup(description, depth, functools.partial(drafter_for, kind, head, shape=shape, options=options))
@@ -684,10 +684,10 @@ def decoding_setups(kind: str, head, options: TrainOptions) -> dict[str, EvalSet
 
 def drafter_for(kind: str, head, target, shape, options: TrainOptions):
     if kind == "eagle":
-        from engine.drafters.eagle import EagleDrafter
+        from speclens.engine.drafters.eagle import EagleDrafter
 
         return EagleDrafter(head, target, shape, top_k=options.top_k, budget=options.budget)
-    from engine.drafters.medusa import MedusaDrafter
+    from speclens.engine.drafters.medusa import MedusaDrafter
 
     return MedusaDrafter(head, target, shape)
 
@@ -705,9 +705,9 @@ def evaluate_drafters(model, tokenizer, prompt_ids: list[list[int]], eos_ids: tu
     mean draft and verify time per step."""
     from tqdm import tqdm
 
-    from engine.cache import CachedModel
-    from engine.decode import GenerationConfig, generate
-    from engine.events import StepEvent, Summary
+    from speclens.engine.decoding.decode import GenerationConfig, generate
+    from speclens.engine.decoding.events import StepEvent, Summary
+    from speclens.engine.runtime.cache import CachedModel
 
     results = {}
     for name, setup in setups.items():
@@ -822,8 +822,8 @@ def build_datastore(options: TrainOptions, samples: list[dict], engine, held_ids
                     counts: tuple[int, int, int]) -> dict:
     """Kind `datastore`: store the distilled answers (no training), measure tau on the held-out
     prompts with the datastore alone and with prompt lookup alone, and write the card."""
-    from engine.drafters.datastore import Datastore, DatastoreDrafter
-    from engine.drafters.lookup import PromptLookupDrafter
+    from speclens.engine.drafters.datastore import Datastore, DatastoreDrafter
+    from speclens.engine.drafters.lookup import PromptLookupDrafter
 
     answers = [s["tokens"][int(s["answer_start"]):].tolist() for s in samples]
     if not any(answers):
@@ -901,8 +901,8 @@ def _neutral(options: TrainOptions) -> dict:
 def run(options: TrainOptions) -> dict:
     import torch
 
-    from engine.models import LoadOptions, load_model, resolve_device
-    from engine.session import Engine
+    from speclens.engine.runtime.models import LoadOptions, load_model, resolve_device
+    from speclens.engine.session import Engine
 
     if options.unroll < 1 or (options.unroll > 1 and options.kind != "eagle"):
         raise ValueError(f"--unroll {options.unroll}: give 1, or 2+ drafting passes for an EAGLE head")
@@ -938,7 +938,7 @@ def run(options: TrainOptions) -> dict:
     for path in options.extra_data:
         samples = samples + torch.load(path, weights_only=True)
     if options.shards:
-        from engine.distilled import read_all
+        from speclens.engine.tools.distilled import read_all
 
         sequences, _ = read_all(options.shards, target=engine.target.name, skip_run=run_name)
         samples = samples + shard_samples(teacher, sequences, engine.eos_ids[0], options.batch_size, len(samples))
@@ -949,7 +949,7 @@ def run(options: TrainOptions) -> dict:
     head = new_head(options.kind, model, options)
     history = train(head, samples, options, model, out / "checkpoint.pt", held_samples)
     if options.kind == "medusa":
-        from engine.drafters.medusa import sparse_tree_paths
+        from speclens.engine.drafters.medusa import sparse_tree_paths
 
         accuracy = medusa_rank_accuracy(head, samples[:: max(len(samples) // 40, 1)], model.get_output_embeddings())
         head.config["medusa_rank_accuracy"] = [[round(a, 4) for a in row] for row in accuracy]

@@ -104,7 +104,7 @@ def run_selftest(
     """Exactness of the chain verifier (K = 1 and 3) and of the tree verifier (depth 3, siblings
     drawn without replacement) and, with an engine, greedy equality of every speculative method
     against plain decoding on the loaded models."""
-    from engine.verify import verify_chain, verify_tree
+    from speclens.engine.decoding.verify import verify_chain, verify_tree
 
     verify = verify or verify_chain
     verify_tree_fn = verify_tree_fn or verify_tree
@@ -125,8 +125,8 @@ def run_selftest(
     lines.append(result.describe())
     passed &= result.passed
     if engine is not None:
-        from engine.decode import GenerationConfig
-        from engine.events import Summary
+        from speclens.engine.decoding.decode import GenerationConfig
+        from speclens.engine.decoding.events import Summary
 
         prompt = engine.encode_chat([{"role": "user", "content": "List three colours, then repeat them."}])
         outputs = {}
@@ -155,9 +155,9 @@ def block_invariance_line(engine, prompt: list[int], block: list[int]) -> tuple[
     """Score `block` after `prompt` in one target forward (as verification does) and one token at a time
     (as plain decoding does). With SpecLens's native linears and attention the logits must agree bit
     for bit (a FAIL otherwise); on PyTorch's kernels they differ by rounding, reported for information."""
-    from engine.attention import is_native_attention
-    from engine.cache import CachedModel
-    from engine.cpu_kernels import native_kernel_of
+    from speclens.engine.runtime.attention import is_native_attention
+    from speclens.engine.runtime.cache import CachedModel
+    from speclens.engine.runtime.cpu_kernels import native_kernel_of
 
     target = engine.target_lm
     verified = CachedModel(target.model, target.n_vocab)

@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from speclens.engine.runtime.paths import cache_dir
+
 SOURCE = Path(__file__).with_name("native_kernels.cpp")
 LDFLAGS = ("-fopenmp",)
 ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}  # SPECLENS_NATIVE_ISA: extra flags to -march=native
@@ -76,7 +78,6 @@ def build_name() -> str:
 
 
 def build_dir() -> Path:
-    from engine.models import cache_dir  # models imports the kernels: import it when building
 
     return cache_dir() / "kernels" / build_name()
 

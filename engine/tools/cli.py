@@ -1,4 +1,5 @@
-"""Command line: `speclens generate | bench | selftest | doctor | train-drafter`; no subcommand opens the window."""
+"""Command line: `speclens generate | bench | selftest | doctor | train-drafter` (speclens.app.launcher
+opens the window when no subcommand is given)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+
+from speclens.engine.tools.args import add_model_arguments, add_sampling_arguments, load_engine, stderr_progress
 
 SUBCOMMANDS = ("generate", "bench", "selftest", "doctor", "train-drafter")
 
@@ -16,36 +19,6 @@ ANSI = {
     "target": "",
 }
 RESET = "\x1b[0m"
-
-
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="default", help="'default', a model folder, a .gguf file or a hub id")
-    parser.add_argument("--draft", default=None, help="draft model (folder, .gguf or hub id) for --method draft/tree")
-    parser.add_argument("--drafter", action="append", default=[], metavar="DIR",
-                        help="folder of trained EAGLE or Medusa heads or of a datastore (repeatable); "
-                             "the default target ships its own")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--trust-remote-code", action="store_true", help="run model code from the model's repo")
-    parser.add_argument("--offload", action="store_true",
-                        help="spread a target too large for the GPU over GPU and CPU memory (accelerate device_map=auto)")
-    parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "native", "packed", "stock"],
-                        help="on CPU: auto runs float32 models on SpecLens's native kernels (compiled for this CPU at "
-                             "first use), else packs linear weights for oneDNN and picks one-token and block kernels by "
-                             "measurement; native insists on the native kernels; packed uses oneDNN for every block; "
-                             "stock keeps nn.Linear")
-    parser.add_argument("--tree-budget", type=int, default=None, metavar="N",
-                        help="draft-tree nodes for the EAGLE and Medusa methods, 1..128 (default: 4 on CPU, 32 on GPU)")
-
-
-def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-k", "--draft-length", dest="k", type=int, default=4, help="draft length K")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,33 +45,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("doctor", help="versions, devices, where models and settings live")
 
     bench = sub.add_parser("bench", help="benchmark methods side by side")
-    from engine.bench import add_bench_arguments
+    from speclens.engine.tools.bench import add_bench_arguments
 
     add_model_arguments(bench)
     add_bench_arguments(bench)
 
     train = sub.add_parser("train-drafter", help="train EAGLE or Medusa heads, or build a retrieval datastore, "
                                                  "for a target (self-distillation)")
-    from engine.train import add_train_arguments
+    from speclens.engine.tools.train import add_train_arguments
 
     add_train_arguments(train)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The subcommands (the `speclens` command without one opens the window: speclens.app.launcher)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help"):
-        from app.main import main as app_main  # the window; only reached without a subcommand
-
-        return app_main(argv)
     args = build_parser().parse_args(argv)
     handler = {"generate": cmd_generate, "selftest": cmd_selftest, "doctor": cmd_doctor}.get(args.command)
     if args.command == "train-drafter":
-        from engine.train import cmd_train_drafter
+        from speclens.engine.tools.train import cmd_train_drafter
 
         handler = cmd_train_drafter
     elif handler is None:
-        from engine.bench import cmd_bench
+        from speclens.engine.tools.bench import cmd_bench
 
         handler = cmd_bench
     try:
@@ -108,28 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def stderr_progress(message: str, fraction: float | None) -> None:
-    suffix = f" {fraction * 100:5.1f}%" if fraction is not None else ""
-    print(f"\r{message}{suffix}", end="\n" if fraction in (None, 1.0) else "", file=sys.stderr, flush=True)
-
-
-def load_engine(args: argparse.Namespace):
-    from engine.session import Engine, EngineError, ModelSettings
-
-    settings = ModelSettings(args.target, args.draft, tuple(args.drafter), args.device, args.dtype,
-                             args.trust_remote_code, args.offload, args.cpu_kernels, args.tree_budget)
-    try:
-        return Engine.load(settings, stderr_progress)
-    except EngineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from exc
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.decode import GenerationConfig
-    from engine.events import Summary, TokenEvent
-    from engine.sampling import SamplingParams
-    from engine.session import EngineError
+    from speclens.engine.decoding.decode import GenerationConfig
+    from speclens.engine.decoding.events import Summary, TokenEvent
+    from speclens.engine.decoding.sampling import SamplingParams
+    from speclens.engine.session import EngineError
 
     if args.method in ("draft", "tree") and not args.draft:
         print(f"error: --method {args.method} needs --draft MODEL", file=sys.stderr)
@@ -214,7 +167,7 @@ def print_summary(record: dict) -> None:
 
 
 def cmd_selftest(args: argparse.Namespace) -> int:
-    from engine.selftest import run_selftest
+    from speclens.engine.tools.selftest import run_selftest
 
     engine = None if args.skip_model else load_engine(args)
     report = run_selftest(engine, trials=args.trials, progress=stderr_progress)
@@ -225,7 +178,7 @@ def cmd_selftest(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from engine.doctor import diagnose
+    from speclens.engine.tools.doctor import diagnose
 
     problems = 0
     for label, value, ok in diagnose():

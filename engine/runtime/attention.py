@@ -58,7 +58,7 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
 def _native_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """HF attention-interface function on the native kernel (one sequence, float32 on CPU, a mask that
     only allows or forbids); anything else, or a mask with other values, goes to `_attention`."""
-    from engine.native_kernels import native_build
+    from speclens.engine.runtime.native_kernels import native_build
 
     native, mask = native_build().module, attention_mask
     if (native is not None and query.shape[0] == 1 and not dropout and query.dtype == torch.float32

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.events import StepEvent
+from speclens.engine.decoding.events import StepEvent
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import platformdirs
 import torch
 
-from engine.attention import use_grouped_attention, use_native_attention
-from engine.cpu_kernels import pack_model
-from engine.native_kernels import native_build, native_module, use_native_linears
+from speclens.engine.runtime.attention import use_grouped_attention, use_native_attention
+from speclens.engine.runtime.cpu_kernels import pack_model
+from speclens.engine.runtime.native_kernels import native_build, native_module, use_native_linears
+from speclens.engine.runtime.paths import cache_dir
 
 Progress = Callable[[str, "float | None"], None]
 
@@ -67,11 +67,6 @@ class LoadedModel:
 
 def _no_progress(message: str, fraction: float | None) -> None:
     pass
-
-
-def cache_dir() -> Path:
-    """Where SpecLens keeps converted models (SPECLENS_CACHE_DIR overrides)."""
-    return Path(os.environ.get("SPECLENS_CACHE_DIR") or platformdirs.user_cache_dir("speclens"))
 
 
 def default_model_dir() -> Path:

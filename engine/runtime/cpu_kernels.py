@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.native_kernels import NativeLinear, use_native_linears
+from speclens.engine.runtime.native_kernels import NativeLinear, use_native_linears
 
 
 @functools.cache  # a property of the torch build: checked once per dtype, not per model or drafter

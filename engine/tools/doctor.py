@@ -28,9 +28,10 @@ def diagnose() -> list[tuple[str, str, bool]]:
     """(label, value, ok) rows; a row that is not ok explains the problem in its value."""
     import torch
 
-    from engine.cpu_kernels import mkl_blocks_work, packed_kernels_work
-    from engine.models import _COMPLETE, cache_dir, default_model_dir
-    from engine.native_kernels import is_built, native_build, unsupported_reason
+    from speclens.engine.runtime.cpu_kernels import mkl_blocks_work, packed_kernels_work
+    from speclens.engine.runtime.models import _COMPLETE, default_model_dir
+    from speclens.engine.runtime.native_kernels import is_built, native_build, unsupported_reason
+    from speclens.engine.runtime.paths import cache_dir
 
     rows: list[tuple[str, str, bool]] = [
         ("python", f"{platform.python_version()} ({sys.executable})", sys.version_info >= (3, 10)),

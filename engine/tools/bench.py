@@ -27,12 +27,13 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import is_native_attention
-from engine.cache import sync
-from engine.cpu_kernels import PackedLinear, is_packed, native_kernel_of, one_token_seconds
-from engine.decode import GenerationConfig
-from engine.events import StepEvent, Summary
-from engine.sampling import SamplingParams
+from speclens.engine.decoding.decode import GenerationConfig
+from speclens.engine.decoding.events import StepEvent, Summary
+from speclens.engine.decoding.sampling import SamplingParams
+from speclens.engine.runtime.attention import is_native_attention
+from speclens.engine.runtime.cache import sync
+from speclens.engine.runtime.cpu_kernels import PackedLinear, is_packed, native_kernel_of, one_token_seconds
+from speclens.engine.tools.args import load_engine
 
 HF_METHODS = ("hf_generate", "hf_assisted", "hf_lookup")
 
@@ -530,8 +531,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(args: argparse.Namespace, engine_factory: Callable | None = None) -> int:
-    from engine.cli import load_engine
-
     try:
         options = BenchOptions(
             methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()) if args.methods else None,

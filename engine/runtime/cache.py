@@ -15,7 +15,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from engine.lean_forward import lean_forward_for
+from speclens.engine.runtime.lean_forward import lean_forward_for
+from speclens.engine.runtime.masks import node_depths, tree_attention
 
 
 class AppendLayer(DynamicLayer):
@@ -181,8 +182,6 @@ class CachedModel:
         the cache holds context followed by the other N - 1 nodes, whose cached_ids are TREE_SLOT
         (they are not a linear context) until `keep_tree_path` or a truncation removes them.
         """
-        from engine.tree import node_depths, tree_attention  # tree.py builds on this module
-
         if not context or tree_tokens[0] != context[-1]:
             raise ValueError("the tree's root must be the last context token")
         keep = min(self.common_prefix(context), len(context) - 1)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import is_native_attention
-from engine.native_kernels import NativeLinear
+from speclens.engine.runtime.attention import is_native_attention
+from speclens.engine.runtime.native_kernels import NativeLinear
 
 # weight formats that give a target's exact float32 outputs: float32 panels, 4-bit and 8-bit blocks
 EXACT_FORMATS = (torch.float32, torch.uint8, torch.int8)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import speclens.engine.decoding.decode as decode
+import speclens.engine.decoding.step as step_module
 import speclens.engine.decoding.tree as tree_module
 import speclens.engine.decoding.verify as verify_module
 from speclens.engine.decoding.decode import GenerationConfig, generate
@@ -117,7 +118,7 @@ def test_lookup_grafted_check_fails_when_rejected_siblings_keep_their_mass(model
 
 
 def test_check_fails_with_a_broken_verifier(models, monkeypatch):
-    monkeypatch.setattr(decode, "verify_chain", resample_from_target)
+    monkeypatch.setattr(step_module, "verify_chain", resample_from_target)
     counts = sampled_counts(models, CONFIG, trials=3000)
     assert not law_matches(counts, exact_marginals(models[0]))
 

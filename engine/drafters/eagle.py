@@ -91,7 +91,7 @@ class EagleHead(nn.Module):
         return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
 
     def _native_weights(self):
-        """What the native `decoder` reads for the layer (engine/lean_forward.py) if it runs on the native
+        """What the native `decoder` reads for the layer (engine/runtime/lean_forward.py) if it runs on the native
         kernels, else None. Decided once per set of linears (use_native_linears swaps them), not per pass."""
         q_proj = self.layer.self_attn.q_proj
         memo = getattr(self, "_native", None)
@@ -103,7 +103,7 @@ class EagleHead(nn.Module):
 
     def _native_layer(self, native, x: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                       cache: AppendLayer | None) -> torch.Tensor:
-        """The decoder layer on the native extension's `decoder` (the same math, engine/lean_forward.py):
+        """The decoder layer on the native extension's `decoder` (the same math, engine/runtime/lean_forward.py):
         x [T, H] -> [T, H], the new keys and values appended to `cache` (a scratch one if None)."""
         config, attention = self.config, self.layer.self_attn
         weights, columns = native

@@ -12,7 +12,7 @@ reads the cache as it is. The numbers are the same: each query row still meets t
 and mask row. `use_grouped_attention` switches a loaded model over; the plain path (one query) and
 prefill (no mask, causal) go through HF's own SDPA function unchanged.
 
-Where SpecLens's native kernels are built (engine/native_kernels.py), a float32 model on CPU runs every
+Where SpecLens's native kernels are built (engine/runtime/native_kernels.py), a float32 model on CPU runs every
 attention call, plain and masked alike, on their batch-invariant attention instead
 (`use_native_attention`): a query's result is then bit for bit the same whether it is decoded alone
 or verified inside a draft block or tree, and with the native linears so is the whole forward.

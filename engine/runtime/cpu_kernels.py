@@ -1,6 +1,6 @@
 """oneDNN-packed linear layers: the CPU fast path where SpecLens's native kernel is not available.
 
-Where it builds, a float32 model on CPU runs SpecLens's own kernel instead (engine/native_kernels.py:
+Where it builds, a float32 model on CPU runs SpecLens's own kernel instead (engine/runtime/native_kernels.py:
 faster still, and batch invariant); everything below is what `auto` falls back to, what `packed`
 asks for, and what bfloat16 models use.
 
@@ -295,7 +295,7 @@ def one_row_mode(target: nn.Module) -> str:
 
 
 def native_kernel_of(model: nn.Module):
-    """The native extension a model's linears run on (engine/native_kernels.py), or None."""
+    """The native extension a model's linears run on (engine/runtime/native_kernels.py), or None."""
     output = model.get_output_embeddings()
     return output.kernel if isinstance(output, NativeLinear) else None
 

@@ -4,7 +4,7 @@ On two CPU cores, HF's forward of the default model spent about 8 of its 26 ms p
 linear and attention kernels: module calls, output recording, mask preparation, the attention
 interface, and some thirty small tensor ops per layer, each a trip through Python and the dispatcher.
 Here the whole decoder stack is one call into the native extension (`decoder` in
-engine/native_kernels.cpp): HF's LlamaDecoderLayer math (RMSNorm, rotary positions, grouped-query
+engine/runtime/native_kernels.cpp): HF's LlamaDecoderLayer math (RMSNorm, rotary positions, grouped-query
 attention over the KV cache, the gated SiLU MLP), then the final norm and the LM head, with q/k/v and
 gate/up each one product over stacked panels. Its elementwise steps work row by row in a fixed order,
 so the forward stays batch invariant: a verified block or tree scores each token bit for bit as

@@ -48,7 +48,7 @@ class LoadOptions:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     trust_remote_code: bool = False  # only ever True when the user turns it on for this model
     offload: bool = False  # accelerate device_map="auto" (GPU + CPU offload) for big targets
-    # auto: float32 on SpecLens's native kernel (engine/native_kernels.py) where it builds, else
+    # auto: float32 on SpecLens's native kernel (engine/runtime/native_kernels.py) where it builds, else
     # oneDNN-packed linears where they check out, single rows and float32 blocks on whichever kernel
     # measures faster (stock or packed; oneDNN or MKL) | native: the native kernel or an error |
     # packed: oneDNN for every block size | stock: nn.Linear (training)
@@ -227,7 +227,7 @@ def load_model(source: str, options: LoadOptions = LoadOptions(), progress: Prog
     if not use_offload:
         model.to(device)
     model.eval()
-    use_grouped_attention(model)  # verification blocks read the KV cache in place (engine/attention.py)
+    use_grouped_attention(model)  # verification blocks read the KV cache in place (engine/runtime/attention.py)
     if device.type == "cpu" and options.cpu_kernels != "stock":
         _use_cpu_kernels(model, options.cpu_kernels, dtype, progress)
     return LoadedModel(name=name, source=source, model=model, tokenizer=tokenizer, device=device, dtype=dtype)

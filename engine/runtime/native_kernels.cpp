@@ -20,7 +20,7 @@
 // default's decoder does) can be packed as those q, d and m, 5 bits a weight instead of 32. The kernel
 // rebuilds each weight as fma(d, q, m), which is m + d * q exactly (d * q needs 15 bits), and runs the
 // same FMA chain as the float32 panels: the outputs are bit for bit those of the float32 weights.
-// Python packs (engine/native_kernels.py, pack_blocks) only weights it has checked to rebuild exactly.
+// Python packs (engine/runtime/native_kernels.py, pack_blocks) only weights it has checked to rebuild exactly.
 //
 // 8-bit blocks, likewise: a weight whose every 32 consecutive inputs of an output hold
 // d * q exactly (q = -128..127, d half precision: a Q8_0 GGUF's, as the embedded default's tied LM
@@ -34,7 +34,7 @@
 // sequence in a fixed order. A tree node sees its context and its ancestors, in that order, exactly
 // as the same token decoded alone sees the cache; the other tree nodes in between leave no trace.
 //
-// Built at first use by engine/native_kernels.py (torch.utils.cpp_extension, -march=native).
+// Built at first use by engine/runtime/native_kernels.py (torch.utils.cpp_extension, -march=native).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

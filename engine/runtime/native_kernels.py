@@ -1,4 +1,4 @@
-"""SpecLens's own float32 CPU kernels (engine/native_kernels.cpp), compiled for this CPU at first use:
+"""SpecLens's own float32 CPU kernels (engine/runtime/native_kernels.cpp), compiled for this CPU at first use:
 a linear layer and attention over the KV cache.
 
 Decoding a small model on a CPU streams every weight from memory once per forward. PyTorch's kernels
@@ -17,8 +17,8 @@ check this). Verification then scores a drafted token with exactly plain decodin
 They are built with torch.utils.cpp_extension (a C++ compiler and ninja) into the SpecLens cache,
 keyed by the source, the torch build and this CPU, so later starts load them in a second. Where they
 cannot be built (no compiler, another architecture, a CPU without AVX2 and FMA) or fail their
-self-check, SpecLens says why (`speclens doctor`) and uses PyTorch's kernels (engine/cpu_kernels.py,
-engine/attention.py). SPECLENS_NATIVE_KERNELS=0 turns them off; SPECLENS_NATIVE_ISA=avx2 builds them
+self-check, SpecLens says why (`speclens doctor`) and uses PyTorch's kernels (engine/runtime/cpu_kernels.py,
+engine/runtime/attention.py). SPECLENS_NATIVE_KERNELS=0 turns them off; SPECLENS_NATIVE_ISA=avx2 builds them
 without AVX-512 on a CPU that has it (to test or measure the AVX2 path, which most laptops run).
 """
 
@@ -240,7 +240,7 @@ def pack_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     precision and q = 0..15 (what a Q4_1 GGUF dequantises to); else None. Checked weight by weight, so
     the kernel's rebuilt weights, and so its outputs, are bit for bit the float32 ones.
 
-    Layout (engine/native_kernels.cpp): per panel of 16 outputs and block of 32 inputs, the 16 d and the
+    Layout (engine/runtime/native_kernels.cpp): per panel of 16 outputs and block of 32 inputs, the 16 d and the
     16 m in half precision, then per pair of inputs 2i, 2i + 1 16 bytes, byte j holding output j's q for
     input 2i (low nibble) and 2i + 1 (high nibble)."""
     blocks = _blocks_of_32(weight)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from speclens.engine.tools.distilled import (
+from speclens.engine.tools.train.shards import (
     MAX_SHARD_BYTES,
     DistilledSequence,
     read_all,
@@ -112,7 +112,7 @@ def test_train_drafter_writes_shards_and_trains_on_every_shard(tmp_path):
 
 
 def test_features_recomputed_from_a_shard_equal_the_distilled_ones(tmp_path):
-    from speclens.engine.tools import train
+    from speclens.engine.tools.train import distil as train
 
     model = tiny_model(seed=0)
     sequences = [DistilledSequence(tuple(range(3, 3 + n)), 2, 0.0) for n in (4, 9, 6)]

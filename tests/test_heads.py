@@ -543,10 +543,10 @@ def test_train_drafter_measures_tau_later_with_evaluate_only(tmp_path, target_mo
 def test_packed_steps_are_block_diagonal_causal():
     """Packed training steps: per-sample positions, a causal mask within each sample and none across,
     and the answer region starting two tokens before each sample's answer."""
-    from speclens.engine.tools.train import _packed
+    from speclens.engine.tools.train.loop import packed
 
     step = [{"tokens": torch.arange(n), "answer_start": torch.tensor(a)} for n, a in ((5, 3), (1, 0), (4, 2))]
-    positions, mask, answer = _packed(step)
+    positions, mask, answer = packed(step)
     assert positions.tolist() == [0, 1, 2, 3, 0, 1, 2]
     blocks = [torch.ones(n, n, dtype=torch.bool).tril() for n in (4, 0, 3)]
     assert torch.equal(mask, torch.block_diag(*blocks))
@@ -622,7 +622,9 @@ def test_corrupt_head_weights_are_a_clear_error(tmp_path, target_model):
 def test_sampled_answers_take_their_temperatures_in_turn(tmp_path, monkeypatch):
     import argparse
 
-    from speclens.engine.tools import train
+    from speclens.engine.tools.train import distil
+    from speclens.engine.tools.train.card import sampled_phrase
+    from speclens.engine.tools.train.options import TrainOptions, add_train_arguments, command_line
 
     seen = []
 
@@ -631,16 +633,16 @@ def test_sampled_answers_take_their_temperatures_in_turn(tmp_path, monkeypatch):
         return [{"tokens": torch.tensor([1, 2, 3]), "features": torch.zeros(3, 4), "answer_start": torch.tensor(1)}
                 for _ in prompts]
 
-    monkeypatch.setattr(train, "_distil_batch", fake_batch)
-    options = train.TrainOptions("eagle", "default", (), str(tmp_path), sampled_answers=3,
+    monkeypatch.setattr(distil, "_distil_batch", fake_batch)
+    options = TrainOptions("eagle", "default", (), str(tmp_path), sampled_answers=3,
                                  sample_temperatures=(0.5, 1.3), batch_size=10)
-    samples = train.distil(None, [[1, 2], [3, 4]], (0,), options)
+    samples = distil.distil(None, [[1, 2], [3, 4]], (0,), options)
     assert seen == [(2, None), (2, 0.5), (2, 1.3), (2, 0.5)]  # greedy, then the temperatures in turn
     assert sorted((int(s["prompt"]), int(s["variant"])) for s in samples) == [(p, v) for p in (0, 1) for v in range(4)]
-    assert "sampled at temperature 0.5, 1.3 in turn" in train._sampled_phrase(options)
-    assert "--sampled-answers 3 --sample-temperatures 0.5,1.3" in train._command(options)
+    assert "sampled at temperature 0.5, 1.3 in turn" in sampled_phrase(options)
+    assert "--sampled-answers 3 --sample-temperatures 0.5,1.3" in command_line(options)
     parser = argparse.ArgumentParser()
-    train.add_train_arguments(parser)
+    add_train_arguments(parser)
     common = ["--kind", "eagle", "--prompts", "p.jsonl", "--out", "o"]
     assert parser.parse_args(common).sample_temperatures == (0.7,)
     assert parser.parse_args(common + ["--sample-temperatures", "0.5,1.3"]).sample_temperatures == (0.5, 1.3)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from speclens.engine.tools.train import sample_rows, user_turn_prefix, write_self_prompts
+from speclens.engine.tools.train.distil import sample_rows, user_turn_prefix, write_self_prompts
 from tests.tiny import tiny_llama, tiny_tokenizer
 
 

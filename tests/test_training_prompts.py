@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from speclens.engine.tools.train import load_prompts
+from speclens.engine.tools.train.options import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "resources" / "prompts" / "train-synthetic.jsonl"

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from speclens.engine.drafters.eagle import EagleHead
-from speclens.engine.tools.train import _packed, eagle_loss, unrolled_mask, unrolled_predictions
+from speclens.engine.tools.train.eagle import eagle_loss, unrolled_mask, unrolled_predictions
+from speclens.engine.tools.train.loop import packed
 from tests.tiny import tiny_llama
 
 
@@ -37,7 +38,7 @@ def _draft_chain(head, embeds, inputs, c, depth):
 @pytest.mark.parametrize("depth", [2, 3])
 def test_unrolled_passes_equal_drafting_a_chain(depth):
     model, head, step = _head_and_step()
-    positions, mask, _ = _packed(step)
+    positions, mask, _ = packed(step)
     tokens = torch.cat([s["tokens"][1:] for s in step])
     inputs = torch.cat([s["features"][:-1] for s in step])
     with torch.no_grad():
@@ -92,7 +93,8 @@ def test_unrolled_loss_trains_every_pass():
 
 
 def test_unroll_option_is_checked_before_any_work(tmp_path):
-    from speclens.engine.tools.train import TrainOptions, run
+    from speclens.engine.tools.train.options import TrainOptions
+    from speclens.engine.tools.train.run import run
 
     for kind, unroll in (("eagle", 0), ("medusa", 2)):
         with pytest.raises(ValueError, match="--unroll"):

@@ -104,7 +104,7 @@ class BenchReport:
 
 
 def bundled_prompts_path() -> Path:
-    return Path(str(resources.files("resources") / "prompts" / "bench.jsonl"))
+    return Path(str(resources.files("speclens.resources") / "prompts" / "bench.jsonl"))
 
 
 def load_prompts(path: str | Path | None = None) -> list[Prompt]:

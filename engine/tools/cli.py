@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train-drafter", help="train EAGLE or Medusa heads, or build a retrieval datastore, "
                                                  "for a target (self-distillation)")
-    from speclens.engine.tools.train import add_train_arguments
+    from speclens.engine.tools.train.options import add_train_arguments
 
     add_train_arguments(train)
     return parser
@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"generate": cmd_generate, "selftest": cmd_selftest, "doctor": cmd_doctor}.get(args.command)
     if args.command == "train-drafter":
-        from speclens.engine.tools.train import cmd_train_drafter
+        from speclens.engine.tools.train.run import cmd_train_drafter
 
         handler = cmd_train_drafter
     elif handler is None:

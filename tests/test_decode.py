@@ -10,7 +10,7 @@ from speclens.engine.decoding.step import speculative_step
 from speclens.engine.drafters.draft_model import DraftModelDrafter
 from speclens.engine.drafters.lookup import PromptLookupDrafter, lookup
 from speclens.engine.runtime.cache import CachedModel
-from speclens.engine.runtime.detok import IncrementalDetokenizer
+from speclens.engine.runtime.detok import IncrementalDetokenizer, StreamDetokenizer, make_detokenizer
 from tests.tiny import assert_cache_matches_fresh_prefill, hf_greedy, tiny_llama, tiny_tokenizer
 
 PROMPT = "one two three four five six one two three four"
@@ -254,12 +254,61 @@ def test_step_costs_from_measured_forwards_are_rising_and_convex():
         StepCost.linear(0.0)
 
 
-def test_incremental_detokenizer_matches_full_decode():
+def _metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Metaspace: a word's leading space is part of its piece and the
+    decoder drops it at the start of a text), with byte fallback for characters it never saw."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.tiny import CORPUS
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    alphabet = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "</s>", *alphabet], show_progress=False)
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>")
+
+
+class _SlowTokenizer:
+    """Just `decode`: what the window-diff fallback needs, as a tokenizer without a Rust backend offers."""
+
+    is_fast = False
+
+    def __init__(self, fast):
+        self.fast = fast
+
+    def decode(self, ids, **kwargs):
+        return self.fast.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("make_tokenizer", [tiny_tokenizer, _metaspace_tokenizer], ids=["byte-level", "metaspace"])
+@pytest.mark.parametrize("stream", [True, False], ids=["DecodeStream", "window-diff"])
+def test_streamed_text_is_the_full_decode(make_tokenizer, stream):
+    """Token by token, after a prompt, the deltas join into exactly the answer's full decode: spaces
+    kept, multi-byte characters (split over byte tokens) emitted whole, on both detokenisers."""
+    tok = make_tokenizer()
+    prompt = tok("The capital of France", add_special_tokens=False)["input_ids"]
+    text = " is Café, naïve, 東京 🙂 and spaces   here\n  def f():"
+    answer = tok(text, add_special_tokens=False)["input_ids"]
+    detok = make_detokenizer(tok if stream else _SlowTokenizer(tok), prompt)
+    assert isinstance(detok, StreamDetokenizer if stream else IncrementalDetokenizer)
+    deltas = [detok.add(i) for i in answer]
+    full = tok.decode(prompt + answer, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    head = tok.decode(prompt, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert "".join(deltas) == full[len(head):]
+    assert "".join(deltas).startswith(" is")  # the leading space of the first answer token survives
+    assert all("\ufffd" not in d for d in deltas)  # no half characters on the way
+    if make_tokenizer is tiny_tokenizer:  # byte-level: the emoji spans several tokens, so some deltas wait
+        assert "" in deltas
+
+
+def test_streaming_skips_special_tokens_like_the_full_decode():
     tok = tiny_tokenizer()
-    text = "Café, naïve, 東京 🙂 and spaces   here"
-    ids = tok(text)["input_ids"]
-    detok = IncrementalDetokenizer(tok)
-    assert "".join(detok.add(i) for i in ids) == tok.decode(ids)
+    ids = tok("Paris Rome", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    for detok in (make_detokenizer(tok), IncrementalDetokenizer(tok)):
+        assert "".join(detok.add(i) for i in ids) == tok.decode(ids, skip_special_tokens=True) == "Paris Rome"
 
 
 def test_a_step_cut_short_counts_only_the_drafts_it_used():

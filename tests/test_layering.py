@@ -40,7 +40,7 @@ def upward_imports(files: list[Path]) -> list[str]:
     bad = []
     for path in files:
         mine = layer(module_name(path))
-        for imported in imports(path, top_level_only=False):
+        for imported in sorted(imports(path, top_level_only=False)):
             theirs = layer(imported)
             if mine is not None and theirs is not None and theirs > mine:
                 bad.append(f"{module_name(path)} imports {imported}")
@@ -89,3 +89,16 @@ def test_a_planted_upward_import_and_a_circle_are_caught(tmp_path, monkeypatch):
                                      "speclens.engine.runtime.cache imports speclens.engine.decoding.tree.DraftTree"]
     assert circles(files) == [["speclens.engine.decoding.tree", "speclens.engine.runtime.cache",
                                "speclens.engine.decoding.tree"]]
+
+
+def test_the_readme_diagram_shows_the_layers_in_their_order():
+    """resources/docs/architecture.svg (the README's picture) draws the layers top to bottom, highest
+    first: the same order this test enforces, so the picture cannot drift from the code."""
+    import re
+
+    svg = (ROOT / "resources" / "docs" / "architecture.svg").read_text()
+    drawn = re.findall(r'font-weight="bold" fill="#222">([a-z/._]+)</text>', svg)
+    folders = {"session": "engine/session.py"}
+    expected = ["app/"] + [folders.get(name, f"engine/{name}/") for name in reversed(LAYERS)]
+    assert drawn == expected
+    assert "resources/docs/architecture.svg" in (ROOT / "README.md").read_text()

@@ -20,7 +20,7 @@ from speclens.engine.decoding.sampling import SamplingParams
 from speclens.engine.decoding.step import speculative_step
 from speclens.engine.decoding.tree import TreeDrafter, tree_step
 from speclens.engine.runtime.cache import CachedModel
-from speclens.engine.runtime.detok import IncrementalDetokenizer
+from speclens.engine.runtime.detok import make_detokenizer
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def generate(
         generator.manual_seed(config.seed)
     ids = list(prompt_ids)
     eos = set(eos_ids)
-    detok = IncrementalDetokenizer(tokenizer, ids)
+    detok = make_detokenizer(tokenizer, ids)
 
     # a tree drafter's k is the tree depth; both steps return the same StepResult
     step_with_drafter = tree_step if isinstance(drafter, TreeDrafter) else speculative_step

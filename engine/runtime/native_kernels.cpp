@@ -384,6 +384,214 @@ constexpr const char* kIsa = "AVX2";
 #error "SpecLens's native linear needs AVX-512F, or AVX2 with FMA and F16C"
 #endif
 
+// ---- integer kernels: Q8 activations against 4-bit and 8-bit weight blocks ------------------------
+//
+// The float kernels above rebuild every weight as a float and run one FMA per weight per row, so each
+// extra row of a verified block costs the arithmetic of a whole forward. Here the rows are quantised
+// like llama.cpp's Q8 blocks (per row, per 32 inputs: q = round(x * 127 / max|x|) as int8, with the
+// scale max|x| / 127 and the sum of q), and a block of 32 weights meets a block of 32 inputs as one
+// exact integer dot product (vpdpbusd on AVX-512 VNNI: 4 unsigned x signed byte products summed into
+// each 32-bit lane; AVX2: maddubs + madd). Per block and row the float work is one or two FMAs:
+//   4-bit (Q4_1, w = m + d q):  y += d dx * sum(q qx) + m (dx sum(qx))
+//   8-bit (Q8_0, w = d q):      y += d dx * sum(q qx)
+// Each weight block is loaded once per forward, decoded once, and used for every row of the block.
+//
+// Batch invariance holds as for the float kernels: a row is quantised on its own, integer sums are
+// exact, and each output's float accumulation runs over the blocks in order with the same operations
+// whatever the rows beside it, so a row's result is bit for bit the same alone or in any block.
+//
+// Layouts (uint8, built by pack_blocks / pack_byte_blocks with integer=True in native_kernels.py), per
+// panel of 16 outputs and block of 32 inputs, read as 64-byte vectors of 16 lanes of 4 bytes (lane j
+// is output j; its 4 bytes are 4 consecutive inputs, what one vpdpbusd lane takes):
+//   4-bit [P, B, 5, 64]: 16 d and 16 m (half precision); then vectors v = 0..3, lane j byte b holding
+//     q[j][4v + b] in its low nibble and q[j][16 + 4v + b] in its high one.
+//   8-bit [P, B, 17, 32]: 16 d (half precision); then vectors v = 0..7, lane j byte b = q[j][4v + b]
+//     (signed).
+
+constexpr int64_t kIntRows = 16;  // rows per integer tile: what the registers hold beside a decoded block
+
+// The rows' Q8 blocks: values [M, K] int8, scales and sums [M, K / 32].
+struct Q8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> s;
+};
+
+inline int32_t load_u32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+
+constexpr const char* kIntegerIsa = "AVX-512 VNNI";
+
+// One row's Q8 blocks (K a multiple of 32). round-to-nearest-even (the default rounding mode).
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* s) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const __m512 lo = _mm512_loadu_ps(x + 32 * b), hi = _mm512_loadu_ps(x + 32 * b + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b), _mm512_cvtepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 32 * b + 16), _mm512_cvtepi32_epi8(qhi));
+    d[b] = amax / 127.0f;
+    s[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+  }
+}
+
+// Rows [0, MR) of one panel: q, d, s point at the first row's Q8 blocks (rows K and K / 32 apart);
+// w: the panel's blocks; out [MR, ldo], `cols` valid columns.
+template <int MR, bool Nibbles>
+void int_tile(const int8_t* q, const float* d, const int32_t* s, int64_t K, const uint8_t* w, float* out,
+              int64_t ldo, int64_t cols) {
+  constexpr int64_t bytes = Nibbles ? 320 : 544;
+  const int64_t B = K / 32;
+  __m512 acc[MR];
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t kb = 0; kb < B; ++kb) {
+    const uint8_t* block = w + kb * bytes;
+    for (int64_t line = 0; line < bytes; line += 64)  // two blocks (~1 KB) ahead
+      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * bytes + line), _MM_HINT_T0);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+    __m512 mw = _mm512_setzero_ps();
+    __m512i wv[8];  // unsigned bytes: q (4-bit) or q + 128 (8-bit)
+    if constexpr (Nibbles) {
+      mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)));
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) {
+        const __m512i both = _mm512_loadu_si512(block + 64 + 64 * v);
+        wv[v] = _mm512_and_si512(both, low4);
+        wv[4 + v] = _mm512_and_si512(_mm512_srli_epi16(both, 4), low4);
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int v = 0; v < 8; ++v) wv[v] = _mm512_xor_si512(_mm512_loadu_si512(block + 32 + 64 * v), flip);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* x = q + r * K + kb * 32;
+      __m512i sum = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int v = 0; v < 8; ++v) sum = _mm512_dpbusd_epi32(sum, wv[v], _mm512_set1_epi32(load_u32(x + 4 * v)));
+      const float dx = d[r * B + kb];
+      const int32_t sx = s[r * B + kb];
+      if constexpr (Nibbles) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[r]);
+        acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx * static_cast<float>(sx)), acc[r]);
+      } else {  // sum((q + 128) qx) - 128 sum(qx) = sum(q qx)
+        sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * sx));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), acc[r]);
+      }
+    }
+  }
+  const __mmask16 mask = column_mask(cols);
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+
+constexpr const char* kIntegerIsa = "AVX2";
+
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t* s) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[32 * b + i]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      const int32_t v = static_cast<int32_t>(std::nearbyint(x[32 * b + i] * inv));
+      q[32 * b + i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = amax / 127.0f;
+    s[b] = sum;
+  }
+}
+
+// The AVX-512 layouts read as two halves of 8 lanes (outputs 0-7, then 8-15); u8 x s8 products in
+// pairs (maddubs), then in fours (madd): exact, as the products stay within 16 bits (4-bit: 15 x 127
+// x 2; 8-bit: |q| <= 128 with the sign moved onto qx, 128 x 127 x 2).
+template <int MR, bool Nibbles>
+void int_tile(const int8_t* q, const float* d, const int32_t* s, int64_t K, const uint8_t* w, float* out,
+              int64_t ldo, int64_t cols) {
+  constexpr int64_t bytes = Nibbles ? 320 : 544;
+  const int64_t B = K / 32;
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t kb = 0; kb < B; ++kb) {
+    const uint8_t* block = w + kb * bytes;
+    for (int64_t line = 0; line < bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * bytes + line), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * h)));
+      const __m256 mw = Nibbles ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 + 16 * h)))
+                                : _mm256_setzero_ps();
+      __m256i wv[8];
+      for (int v = 0; v < 8; ++v) {
+        if (Nibbles) {
+          const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 + 64 * (v % 4) + 32 * h));
+          wv[v] = v < 4 ? _mm256_and_si256(both, low4) : _mm256_and_si256(_mm256_srli_epi16(both, 4), low4);
+        } else {
+          wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32 + 64 * v + 32 * h));
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* x = q + r * K + kb * 32;
+        __m256i sum = _mm256_setzero_si256();
+        for (int v = 0; v < 8; ++v) {
+          const __m256i xv = _mm256_set1_epi32(load_u32(x + 4 * v));
+          const __m256i pairs = Nibbles ? _mm256_maddubs_epi16(wv[v], xv)
+                                        : _mm256_maddubs_epi16(_mm256_sign_epi8(wv[v], wv[v]), _mm256_sign_epi8(xv, wv[v]));
+          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+        }
+        const float dx = d[r * B + kb];
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc[r][h]);
+        if (Nibbles) acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(dx * static_cast<float>(s[r * B + kb])), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      alignas(32) float lanes[16];
+      _mm256_store_ps(lanes, acc[r][0]);
+      _mm256_store_ps(lanes + 8, acc[r][1]);
+      out[r * ldo + c] = lanes[c];
+    }
+}
+
+#endif
+
+// All M rows of one panel, in tiles of up to kIntRows rows (the panel, a few KB, stays in cache).
+template <bool Nibbles>
+void int_rows(const Q8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* out, int64_t ldo, int64_t cols) {
+  const int64_t B = K / 32;
+  for (int64_t r0 = 0; r0 < M; r0 += kIntRows) {
+    const int8_t* q = x.q.data() + r0 * K;
+    const float* d = x.d.data() + r0 * B;
+    const int32_t* s = x.s.data() + r0 * B;
+    float* o = out + r0 * ldo;
+    switch (std::min<int64_t>(kIntRows, M - r0)) {
+#define SPECLENS_INT_TILE(n) \
+  case n:                    \
+    int_tile<n, Nibbles>(q, d, s, K, w, o, ldo, cols); \
+    break;
+      SPECLENS_INT_TILE(1) SPECLENS_INT_TILE(2) SPECLENS_INT_TILE(3) SPECLENS_INT_TILE(4)
+      SPECLENS_INT_TILE(5) SPECLENS_INT_TILE(6) SPECLENS_INT_TILE(7) SPECLENS_INT_TILE(8)
+      SPECLENS_INT_TILE(9) SPECLENS_INT_TILE(10) SPECLENS_INT_TILE(11) SPECLENS_INT_TILE(12)
+      SPECLENS_INT_TILE(13) SPECLENS_INT_TILE(14) SPECLENS_INT_TILE(15) SPECLENS_INT_TILE(16)
+#undef SPECLENS_INT_TILE
+      default:
+        break;
+    }
+  }
+}
+
 
 // ---- attention ------------------------------------------------------------------------------------
 
@@ -620,9 +828,51 @@ torch::Tensor pack(const torch::Tensor& weight, bool bfloat16) {
   return (bfloat16 ? panels.to(torch::kBFloat16) : panels).contiguous();
 }
 
+// x [..., K] float32 quantised to Q8 blocks, against integer-layout blocks [P, K / 32, 5, 64] (4-bit) or
+// [P, K / 32, 17, 32] (8-bit); bias [N] or None -> [..., N]. linear() sends integer layouts here.
+torch::Tensor linear_integer(const torch::Tensor& x, const torch::Tensor& panels,
+                             const c10::optional<torch::Tensor>& bias, int64_t N) {
+  const int64_t K = x.size(-1), B = K / 32;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "linear takes float32 CPU input");
+  const bool nibbles = panels.size(2) == 5 && panels.size(3) == 64, bytes = panels.size(2) == 17 && panels.size(3) == 32;
+  TORCH_CHECK(panels.scalar_type() == torch::kByte && panels.is_contiguous() && (nibbles || bytes) && K % 32 == 0 &&
+                  panels.size(1) == B && panels.size(0) * kPanel >= N,
+              "integer blocks do not fit this input");
+  const auto flat = x.reshape({-1, K}).contiguous();
+  const int64_t M = flat.size(0);
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto out = torch::empty({M, N}, x.options());
+  if (M == 0) return out.view(sizes);
+  Q8Rows rows;
+  rows.q.resize(M * K);
+  rows.d.resize(M * B);
+  rows.s.resize(M * B);
+  const float* xs = flat.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r)  // each row on its own: its blocks never see another row
+    quantize_row(xs + r * K, K, rows.q.data() + r * K, rows.d.data() + r * B, rows.s.data() + r * B);
+  const uint8_t* w = panels.data_ptr<uint8_t>();
+  const int64_t stride = B * (nibbles ? 320 : 544), used = (N + kPanel - 1) / kPanel;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, used, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
+      if (nibbles) int_rows<true>(rows, M, K, w + p * stride, op + p * kPanel, N, cols);
+      else int_rows<false>(rows, M, K, w + p * stride, op + p * kPanel, N, cols);
+    }
+  });
+  if (bias.has_value() && bias->defined()) {
+    const auto b = bias->contiguous();
+    TORCH_CHECK(b.scalar_type() == torch::kFloat32 && b.numel() == N, "bias must be float32 [N]");
+    out.add_(b);
+  }
+  return out.view(sizes);
+}
+
 // x [..., K] float32, panels from pack(), bias [N] or None -> [..., N].
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, const c10::optional<torch::Tensor>& bias,
                      int64_t N) {
+  if (panels.dim() == 4) return linear_integer(x, panels, bias, N);
   const int64_t K = x.size(-1);
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "linear takes float32 CPU input");
   const bool nibbles = panels.scalar_type() == torch::kUInt8, bytes = panels.scalar_type() == torch::kChar;
@@ -929,6 +1179,7 @@ void move_rows(const std::vector<torch::Tensor>& buffers, const std::vector<int6
 }
 
 std::string isa() { return kIsa; }
+std::string integer_isa() { return kIntegerIsa; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "float32 weight [N, K] -> panels [P, K, 16] in float32 or bfloat16",
@@ -938,4 +1189,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder", &decoder, "a Llama decoder stack, its final norm and LM head, on these kernels");
   m.def("move_rows", &move_rows, "move KV cache rows towards the start in every buffer [B, G, capacity, D]");
   m.def("isa", &isa, "the instruction set this build uses");
+  m.def("integer_isa", &integer_isa, "the instruction set of the integer (Q8 activation) kernels");
 }

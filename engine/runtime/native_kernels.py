@@ -234,7 +234,7 @@ def native_module(progress: Callable[[str, float | None], None] | None = None):
     return native_build().module
 
 
-def pack_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_blocks(weight: torch.Tensor, integer: bool = False) -> torch.Tensor | None:
     """float32 [N, K] -> the native linear's 4-bit blocks, uint8 [P, K / 32, 320] (P = N rounded up to 64,
     over 16), if every 32 consecutive inputs of each output hold m + d * q exactly, with m and d half
     precision and q = 0..15 (what a Q4_1 GGUF dequantises to); else None. Checked weight by weight, so
@@ -242,7 +242,11 @@ def pack_blocks(weight: torch.Tensor) -> torch.Tensor | None:
 
     Layout (engine/runtime/native_kernels.cpp): per panel of 16 outputs and block of 32 inputs, the 16 d and the
     16 m in half precision, then per pair of inputs 2i, 2i + 1 16 bytes, byte j holding output j's q for
-    input 2i (low nibble) and 2i + 1 (high nibble)."""
+    input 2i (low nibble) and 2i + 1 (high nibble).
+
+    integer=True: the integer kernel's layout, uint8 [P, K / 32, 5, 64]: the same d and m, then four
+    64-byte vectors v whose lane j (4 bytes b) holds output j's q for input 4v + b (low nibble) and
+    16 + 4v + b (high nibble): the 4 consecutive inputs one vpdpbusd lane multiplies."""
     blocks = _blocks_of_32(weight)
     if blocks is None:
         return None
@@ -256,18 +260,22 @@ def pack_blocks(weight: torch.Tensor) -> torch.Tensor | None:
     d, q = found
     panels, per = blocks.shape[0] // 16, blocks.shape[1]
     q = q.to(torch.uint8).view(panels, 16, per, 32).permute(0, 2, 3, 1)  # [P, B, 32 inputs, 16 outputs]
+    if integer:
+        nibbles = (_lanes_of_four(q[:, :, :16]) | (_lanes_of_four(q[:, :, 16:]) << 4)).reshape(panels, per, 256)
+        return torch.cat([_per_column(d), _per_column(low), nibbles], dim=-1).view(panels, per, 5, 64).contiguous()
     nibbles = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).reshape(panels, per, 256)  # inputs 2i, 2i + 1 share a byte
     return torch.cat([_per_column(d), _per_column(low), nibbles], dim=-1).contiguous()  # [P, B, 320]
 
 
-def pack_byte_blocks(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_byte_blocks(weight: torch.Tensor, integer: bool = False) -> torch.Tensor | None:
     """float32 [N, K] -> the native linear's 8-bit blocks, int8 [P, K / 32, 544], if every 32 consecutive
     inputs of each output hold d * q exactly, with d half precision and q = -128..127 (what a Q8_0 GGUF
     dequantises to: the embedded default's tied LM head); else None. d * q needs 19 bits, so the
     kernel's rebuilt weights are the float32 ones and its outputs those of the float32 panels.
 
     Layout: per panel of 16 outputs and block of 32 inputs, the 16 d in half precision, then per input
-    the 16 outputs' q."""
+    the 16 outputs' q. integer=True: the integer kernel's, uint8 [P, K / 32, 17, 32]: the d, then eight
+    64-byte vectors v whose lane j holds output j's q (signed bytes) for inputs 4v .. 4v + 3."""
     blocks = _blocks_of_32(weight)
     if blocks is None:
         return None
@@ -278,7 +286,11 @@ def pack_byte_blocks(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     d, q = found
     panels, per = blocks.shape[0] // 16, blocks.shape[1]
-    q = q.to(torch.int8).view(panels, 16, per, 32).permute(0, 2, 3, 1).reshape(panels, per, 512)  # [P, B, 32 x 16]
+    q = q.to(torch.int8).view(panels, 16, per, 32).permute(0, 2, 3, 1)  # [P, B, 32 inputs, 16 outputs]
+    if integer:
+        lanes = _lanes_of_four(q).reshape(panels, per, 512).view(torch.uint8)
+        return torch.cat([_per_column(d), lanes], dim=-1).view(panels, per, 17, 32).contiguous()
+    q = q.reshape(panels, per, 512)  # [P, B, 32 x 16]
     return torch.cat([_per_column(d).view(torch.int8), q], dim=-1).contiguous()  # [P, B, 544]
 
 
@@ -325,6 +337,12 @@ def _exact_levels(blocks: torch.Tensor, base: torch.Tensor, estimate: torch.Tens
         if exact.all():
             return d, q
     return None
+
+
+def _lanes_of_four(q: torch.Tensor) -> torch.Tensor:
+    """[P, B, 4n inputs, 16 outputs] -> [P, B, n, 64]: vector v, lane j, byte b = output j's input 4v + b."""
+    panels, per, inputs = q.shape[:3]
+    return q.view(panels, per, inputs // 4, 4, 16).transpose(3, 4).reshape(panels, per, inputs // 4, 64)
 
 
 def _per_column(x: torch.Tensor) -> torch.Tensor:

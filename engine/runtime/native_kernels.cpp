@@ -455,7 +455,7 @@ void int_tile(const int8_t* q, const float* d, const int32_t* s, int64_t K, cons
   for (int64_t kb = 0; kb < B; ++kb) {
     const uint8_t* block = w + kb * bytes;
     for (int64_t line = 0; line < bytes; line += 64)  // two blocks (~1 KB) ahead
-      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * bytes + line), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + 8 * bytes + line), _MM_HINT_T0);
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
     __m512 mw = _mm512_setzero_ps();
     __m512i wv[8];  // unsigned bytes: q (4-bit) or q + 128 (8-bit)
@@ -474,9 +474,14 @@ void int_tile(const int8_t* q, const float* d, const int32_t* s, int64_t K, cons
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const int8_t* x = q + r * K + kb * 32;
-      __m512i sum = _mm512_setzero_si512();
-#pragma GCC unroll 8
-      for (int v = 0; v < 8; ++v) sum = _mm512_dpbusd_epi32(sum, wv[v], _mm512_set1_epi32(load_u32(x + 4 * v)));
+      // two independent chains of four (integer sums: their order changes nothing)
+      __m512i sum = _mm512_setzero_si512(), other = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) {
+        sum = _mm512_dpbusd_epi32(sum, wv[v], _mm512_set1_epi32(load_u32(x + 4 * v)));
+        other = _mm512_dpbusd_epi32(other, wv[4 + v], _mm512_set1_epi32(load_u32(x + 16 + 4 * v)));
+      }
+      sum = _mm512_add_epi32(sum, other);
       const float dx = d[r * B + kb];
       const int32_t sx = s[r * B + kb];
       if constexpr (Nibbles) {

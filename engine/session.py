@@ -64,7 +64,7 @@ class ModelSettings:
     dtype: str = "auto"
     trust_remote_code: bool = False
     offload: bool = False
-    cpu_kernels: str = "auto"  # auto: oneDNN-packed linears on CPU (one row: the faster kernel) | packed | stock
+    cpu_kernels: str = "auto"  # runtime.models.CPU_KERNELS: auto | integer | native | packed | stock
     tree_budget: int | None = None  # draft-tree nodes for the head methods; None: by device (tree_budget)
 
 

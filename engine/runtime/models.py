@@ -35,7 +35,7 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 _COMPLETE = "speclens-complete.json"
 
 
-CPU_KERNELS = ("auto", "native", "packed", "stock")
+CPU_KERNELS = ("auto", "integer", "native", "packed", "stock")
 
 
 class ModelLoadError(RuntimeError):
@@ -48,9 +48,11 @@ class LoadOptions:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     trust_remote_code: bool = False  # only ever True when the user turns it on for this model
     offload: bool = False  # accelerate device_map="auto" (GPU + CPU offload) for big targets
-    # auto: float32 on SpecLens's native kernel (engine/runtime/native_kernels.py) where it builds, else
+    # auto: SpecLens's native kernels (engine/runtime/native_kernels.py) where they build, with the
+    # integer ones (Q8 activations against Q4_1/Q8_0 weight blocks) where they pass their check; else
     # oneDNN-packed linears where they check out, single rows and float32 blocks on whichever kernel
-    # measures faster (stock or packed; oneDNN or MKL) | native: the native kernel or an error |
+    # measures faster (stock or packed; oneDNN or MKL) | integer: the native integer kernels or an error |
+    # native: the native float32 kernels (bit for bit HF's float32 forward) or an error |
     # packed: oneDNN for every block size | stock: nn.Linear (training)
     cpu_kernels: str = "auto"
 
@@ -236,11 +238,14 @@ def load_model(source: str, options: LoadOptions = LoadOptions(), progress: Prog
 def _use_cpu_kernels(model: torch.nn.Module, mode: str, dtype: torch.dtype, progress: Progress) -> None:
     """Swap a CPU model's linears for the kernels `mode` asks for (see LoadOptions.cpu_kernels).
     float32 stays the CPU default: bfloat16 broke greedy equality (near-ties flip)."""
-    native = native_module(progress) if mode in ("auto", "native") and dtype == torch.float32 else None
+    native = native_module(progress) if mode in ("auto", "integer", "native") and dtype == torch.float32 else None
+    if native is not None and mode == "integer" and not native_build().integer:
+        raise ModelLoadError(f"SpecLens's integer CPU kernels are not available: {native_build().integer_message}.")
     if native is not None:
-        use_native_linears(model, native, keep=(model.get_output_embeddings(),))
+        integer = mode == "integer" or (mode == "auto" and bool(native_build().integer))
+        use_native_linears(model, native, keep=(model.get_output_embeddings(),), integer=integer)
         use_native_attention(model)
-    elif mode == "native":
+    elif mode in ("integer", "native"):
         why = "it runs float32 models only" if dtype != torch.float32 else native_build().message
         raise ModelLoadError(f"SpecLens's native CPU kernel is not available: {why}.")
     else:

@@ -56,6 +56,8 @@ def cflags() -> tuple[str, ...]:
 class NativeBuild:
     module: object | None  # the compiled extension, or None
     message: str  # what was built, or why nothing was
+    integer: str = ""  # the instruction set of its integer kernels where they passed their check, else ""
+    integer_message: str = ""  # why the integer kernels are not used, when they are not
 
 
 def _cpu_signature() -> str:
@@ -145,8 +147,51 @@ def native_build() -> NativeBuild:
     problem = self_check(module)
     if problem:
         return NativeBuild(None, f"failed its self-check ({problem}); PyTorch's kernels are used")
-    return NativeBuild(module, f"{module.isa()} float32 linear (Q4_1- and Q8_0-style weights as 4-bit and 8-bit "
-                               f"blocks) and attention, built for this CPU in {build_dir()}")
+    message = (f"{module.isa()} float32 linear (Q4_1- and Q8_0-style weights as 4-bit and 8-bit blocks) and "
+               f"attention, built for this CPU in {build_dir()}")
+    integer_problem = integer_self_check(module)
+    if integer_problem:
+        return NativeBuild(module, message, "", f"the integer kernels failed their self-check ({integer_problem})")
+    return NativeBuild(module, message, module.integer_isa())
+
+
+def quantize_q8(x: torch.Tensor) -> torch.Tensor:
+    """What the integer kernels make of activations x [M, K]: per row and block of 32 inputs,
+    round(x * 127 / max|x|) times max|x| / 127 (the reference of integer_self_check and the tests)."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inverse) * (amax / 127)).view_as(x)
+
+
+def integer_self_check(module) -> str | None:
+    """The integer kernels over Q4_1- and Q8_0-style blocks against float64 products of the quantised
+    activations (quantize_q8) with the exact weights, on every tile size and a ragged panel; None if
+    they agree and each row of a block equals the row computed alone, bit for bit; else what went wrong."""
+    generator = torch.Generator().manual_seed(1)
+    scale = (torch.rand(100, 3, 1, generator=generator) * 0.02 + 1e-3).half().float()
+    low = (-torch.rand(100, 3, 1, generator=generator) * 0.1).half().float()
+    levels = torch.randint(0, 16, (100, 3, 32), generator=generator).float()
+    levels[..., 0], levels[..., 1] = 0, 15
+    signed = torch.randint(-127, 128, (100, 3, 32), generator=generator).float()
+    signed[..., 0] = 127
+    for name, pack_kind, weight in (("4-bit", pack_blocks, torch.addcmul(low, scale, levels).view(100, 96)),
+                                    ("8-bit", pack_byte_blocks, (scale * signed).view(100, 96))):
+        blocks = pack_kind(weight, integer=True)
+        if blocks is None:
+            return f"{name} blocks could not be packed"
+        for rows in (1, 5, 16, 17, 33):
+            x = torch.randn(rows, 96, generator=generator)
+            try:
+                got = module.linear(x, blocks, None, 100)
+            except RuntimeError as exc:
+                return str(exc).splitlines()[0][:120]
+            want = quantize_q8(x).double() @ weight.double().T
+            if (got.double() - want).abs().max().item() > 1e-4:
+                return f"{rows} rows over {name} blocks differ from the quantised product"
+            if not torch.equal(got, torch.cat([module.linear(x[i : i + 1], blocks, None, 100) for i in range(rows)])):
+                return f"a block of {rows} rows over {name} blocks differs from its rows one at a time"
+    return None
 
 
 def _remove_older_builds(current: Path) -> None:
@@ -363,18 +408,23 @@ class NativeLinear(nn.Module):
     reads); elsewhere only the panels are held."""
 
     def __init__(self, module, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False,
-                 bfloat16: bool = False):
+                 bfloat16: bool = False, integer: bool = False):
         super().__init__()
         self.kernel = module
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         weight32 = weight.detach().float().contiguous()
         blocks = None
         if not bfloat16:
-            blocks = pack_blocks(weight32)
-            blocks = pack_byte_blocks(weight32) if blocks is None else blocks
+            blocks = pack_blocks(weight32, integer)
+            blocks = pack_byte_blocks(weight32, integer) if blocks is None else blocks
         self.panels = module.pack(weight32, bfloat16) if blocks is None else blocks  # not a parameter
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self.weight = weight if keep_weight else None
+
+    @property
+    def integer(self) -> bool:
+        """Whether this linear runs the integer kernel (its blocks are in the integer layout)."""
+        return self.panels.dim() == 4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         if torch.is_grad_enabled() and x.requires_grad:
@@ -384,17 +434,22 @@ class NativeLinear(nn.Module):
     def extra_repr(self) -> str:
         weights = {torch.uint8: "4-bit block", torch.int8: "8-bit block"}.get(
             self.panels.dtype, str(self.panels.dtype).removeprefix("torch."))
+        if self.integer:
+            weights = ("4-bit" if self.panels.shape[2] == 5 else "8-bit") + " block weights, 8-bit activations"
+            return f"in_features={self.in_features}, out_features={self.out_features}, kernel=native integer ({weights})"
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel=native ({weights} weights)"
 
 
-def use_native_linears(module: nn.Module, native, keep: tuple[nn.Module, ...] = (), bfloat16: bool = False) -> int:
+def use_native_linears(module: nn.Module, native, keep: tuple[nn.Module, ...] = (), bfloat16: bool = False,
+                       integer: bool = False) -> int:
     """Swap every float32 CPU nn.Linear under module for a NativeLinear on the extension `native`
-    (bfloat16 panels if asked); linears in `keep` retain their weight attribute. Returns how many."""
+    (bfloat16 panels if asked; the integer kernel's layout for Q4_1/Q8_0-style weights if `integer`);
+    linears in `keep` retain their weight attribute. Returns how many."""
     count = 0
     for name, child in list(module.named_children()):
         if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
-            setattr(module, name, NativeLinear(native, child.weight, child.bias, child in keep, bfloat16))
+            setattr(module, name, NativeLinear(native, child.weight, child.bias, child in keep, bfloat16, integer))
             count += 1
         else:
-            count += use_native_linears(child, native, keep, bfloat16)
+            count += use_native_linears(child, native, keep, bfloat16, integer)
     return count

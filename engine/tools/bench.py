@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -400,7 +401,10 @@ def describe_target(engine) -> str:
     if native_kernel_of(engine.target.model) is not None:
         attention = is_native_attention(engine.target.model)
         what = "decoder" if engine.target_lm.lean is not None else f"linears{' and attention' if attention else ''}"
-        kernels = f", SpecLens's native {what} ({native_kernel_of(engine.target.model).isa()})"
+        kernel = native_kernel_of(engine.target.model)
+        integer = any(getattr(m, "integer", False) for m in engine.target.model.modules())
+        kernels = (f", SpecLens's native {what} (integer: 8-bit activations, {kernel.integer_isa()})" if integer
+                   else f", SpecLens's native {what} (float32, {kernel.isa()})")
     elif is_packed(engine.target.model):
         layers = [m for m in engine.target.model.modules() if isinstance(m, PackedLinear)]
         stock = sum(m.one_row_stock for m in layers)
@@ -528,6 +532,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chart", default=None, help="write a PNG bar chart here")
     parser.add_argument("--verify-cost", action="store_true",
                         help="instead: time one target forward of T = 1..33 new tokens (what verifying costs here)")
+    parser.add_argument("--kernel-agreement", action="store_true",
+                        help="instead: teacher-force the prompts' text through the target on these --cpu-kernels and "
+                             "on the float32 native kernels; report top-1 agreement and both perplexities")
 
 
 def cmd_bench(args: argparse.Namespace, engine_factory: Callable | None = None) -> int:
@@ -550,6 +557,8 @@ def cmd_bench(args: argparse.Namespace, engine_factory: Callable | None = None) 
     engine = (engine_factory or load_engine)(args)
     if args.verify_cost:
         return _cmd_verify_cost(engine, prompts, options, args)
+    if args.kernel_agreement:
+        return _cmd_kernel_agreement(engine, prompts, options, args)
     try:
         report = run_bench(engine, prompts, options, progress=True,
                            settings={"prompts": str(args.prompts or bundled_prompts_path().name)})
@@ -564,6 +573,51 @@ def cmd_bench(args: argparse.Namespace, engine_factory: Callable | None = None) 
         Path(args.markdown).write_text(table)
     if args.chart:
         write_chart(report, args.chart)
+    return 0
+
+
+def kernel_agreement(model, reference, texts: Sequence[list[int]]) -> dict:
+    """Teacher-forced over each token list: how often model's top-1 next token is reference's, and the
+    perplexity of the text under each (the mean negative log-likelihood of every next token, exp'd)."""
+    agree = positions = 0
+    nll = nll_reference = 0.0
+    with torch.no_grad():
+        for ids in texts:
+            if len(ids) < 2:
+                continue
+            x = torch.tensor([ids])
+            logits = model(x).logits[0, :-1].double()  # [T-1, V]
+            wanted = reference(x).logits[0, :-1].double()
+            nexts = x[0, 1:]
+            agree += int((logits.argmax(-1) == wanted.argmax(-1)).sum())
+            positions += len(ids) - 1
+            nll -= float(logits.log_softmax(-1).gather(1, nexts[:, None]).sum())
+            nll_reference -= float(wanted.log_softmax(-1).gather(1, nexts[:, None]).sum())
+    n = max(positions, 1)
+    return {"positions": positions, "top1_agreement": agree / n, "perplexity": math.exp(nll / n),
+            "reference_perplexity": math.exp(nll_reference / n)}
+
+
+def _cmd_kernel_agreement(engine, prompts: Sequence[Prompt], options: BenchOptions, args: argparse.Namespace) -> int:
+    from speclens.engine.runtime.models import LoadOptions, load_model
+
+    if engine.target.device.type != "cpu":
+        print("error: --kernel-agreement compares CPU kernels; load the target on the CPU", file=sys.stderr)
+        return 2
+    reference = load_model(args.target, LoadOptions(device="cpu", dtype="float32", cpu_kernels="native",
+                                                    trust_remote_code=args.trust_remote_code)).model
+    tokenizer = engine.target.tokenizer
+    chosen = select_prompts(prompts, options.num_prompts)
+    texts = [tokenizer("\n\n".join(p.turns), add_special_tokens=False)["input_ids"] for p in chosen]
+    result = kernel_agreement(engine.target.model, reference, texts)
+    result["kernels"] = describe_target(engine)
+    result["prompts"] = len(chosen)
+    print(f"{engine.target.name}: {result['kernels']} against float32 native kernels, teacher-forced over "
+          f"{result['positions']} tokens of {len(chosen)} prompts' text\n"
+          f"top-1 agreement {result['top1_agreement']:.2%}; perplexity {result['perplexity']:.4f} against "
+          f"{result['reference_perplexity']:.4f} ({result['perplexity'] / result['reference_perplexity'] - 1:+.2%})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

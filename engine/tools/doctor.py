@@ -53,6 +53,11 @@ def diagnose() -> list[tuple[str, str, bool]]:
                  if mkl_blocks_work() else "no MKL packed linear in this torch build", True))
     rows.append(("native kernel", native_build().message if is_built() or unsupported_reason() else
                  "not built yet: the first CPU model load compiles it for this machine (about a minute)", True))
+    if is_built() and native_build().module is not None:
+        build = native_build()
+        rows.append(("integer kernels", f"{build.integer}: --cpu-kernels auto runs Q4_1/Q8_0-style weights against "
+                     "8-bit activations (--cpu-kernels native keeps float32)" if build.integer else
+                     f"not used: {build.integer_message}; the float32 native kernels run", True))
     rows.append(("model cache", str(cache_dir()), True))
     folder = default_model_dir()
     present = (folder / _COMPLETE).exists()

@@ -193,8 +193,8 @@ def test_a_target_of_blocks_decodes_exactly_as_with_float32_panels(monkeypatch):
     assert blocks.model.layers[0].mlp.down_proj.panels.dtype == torch.uint8
     assert blocks.lm_head.panels.dtype == torch.int8
     assert CachedModel(blocks).lean is not None  # the whole decoder in one native call, on blocks
-    monkeypatch.setattr(native_kernels, "pack_blocks", lambda weight: None)
-    monkeypatch.setattr(native_kernels, "pack_byte_blocks", lambda weight: None)
+    monkeypatch.setattr(native_kernels, "pack_blocks", lambda weight, integer=False: None)
+    monkeypatch.setattr(native_kernels, "pack_byte_blocks", lambda weight, integer=False: None)
     float_panels = quantised()
     assert float_panels.model.layers[0].mlp.down_proj.panels.dtype == torch.float32
     assert float_panels.lm_head.panels.dtype == torch.float32

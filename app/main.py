@@ -22,7 +22,7 @@ from PySide6.QtWidgets import QApplication
 
 from speclens.app.chat_view import Message
 from speclens.app.compare import CompareResult
-from speclens.app.settings import MAX_K, SettingsStore, with_overrides
+from speclens.app.settings import CPU_KERNELS, MAX_K, SettingsStore, with_overrides
 from speclens.app.window import MainWindow
 from speclens.app.worker import EngineFactory
 
@@ -41,6 +41,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="adapt the draft length while generating (K is then the maximum)")
     parser.add_argument("-k", type=int, choices=range(1, MAX_K + 1), metavar=f"1..{MAX_K}", help="draft length")
     parser.add_argument("--max-new-tokens", type=int, help="answer length limit")
+    parser.add_argument("--cpu-kernels", choices=CPU_KERNELS, help="how a float32 model computes on a CPU (Settings: CPU kernels)")
     parser.add_argument("--screenshot-settings", type=Path,
                         help="headless mode: also save the settings dialog (speedup advisor) here")
     parser.add_argument("--timeout", type=float, default=900.0, help="headless mode: give up after this many seconds")
@@ -108,7 +109,7 @@ def main(argv: Sequence[str] | None = None, engine_factory: EngineFactory | None
     try:
         settings = with_overrides(
             store.load(), target=args.target, method=args.method, k=args.k,
-            max_new_tokens=args.max_new_tokens, adaptive_k=args.adaptive_k,
+            max_new_tokens=args.max_new_tokens, adaptive_k=args.adaptive_k, cpu_kernels=args.cpu_kernels,
         )
     except ValueError as exc:
         print(f"speclens: {exc}", file=sys.stderr)

@@ -38,6 +38,7 @@ from speclens.app.plots import AdvisorPanel
 from speclens.engine.decoding.decode import GenerationConfig
 from speclens.engine.decoding.events import StepEvent
 from speclens.engine.decoding.sampling import SamplingParams
+from speclens.engine.runtime.models import CPU_KERNELS
 from speclens.engine.session import MAX_TREE_BUDGET, ModelSettings
 
 # The engine says which methods a loaded pair offers (Engine.methods); these only name the known ones.
@@ -68,6 +69,13 @@ def method_label(method: str) -> str:
     return METHOD_LABELS.get(method, method)
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda", "mps")
 DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
+CPU_KERNEL_LABELS = {  # the engine's CPU_KERNELS, as the dialog names them
+    "auto": "auto (integer where its check passes on this CPU)",
+    "integer": "integer (8-bit activations, VNNI / AVX2)",
+    "native": "native float32 (exact float math)",
+    "packed": "packed (PyTorch, oneDNN)",
+    "stock": "stock (PyTorch's nn.Linear)",
+}
 MAX_K = 16
 MAX_NEW_TOKENS = 8192
 MAX_SEED = 2**31 - 1  # what the dialog's spin box holds
@@ -87,6 +95,7 @@ class AppSettings:
     max_new_tokens: int = 256
     device: str = "auto"
     dtype: str = "auto"
+    cpu_kernels: str = "auto"  # engine.runtime.models.CPU_KERNELS
     adaptive_k: bool = True  # K above is then the upper bound of the +2/-1 schedule
     tree_budget: int = 0  # draft-tree nodes of the EAGLE / Medusa methods; 0 = by device (CPU: up to 4, cut; GPU: 32)
     system_prompt: str = ""  # sent before every conversation's turns; empty = the chat template's own default
@@ -112,6 +121,8 @@ class AppSettings:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {self.cpu_kernels!r}")
         if not 0 <= self.tree_budget <= MAX_TREE_BUDGET:
             raise ValueError(f"tree nodes must be in 0..{MAX_TREE_BUDGET} (0 = by device), got {self.tree_budget}")
         if len(self.system_prompt) > MAX_SYSTEM_PROMPT:
@@ -125,6 +136,7 @@ class AppSettings:
             draft=None if self.method in TARGET_ONLY_METHODS else draft,
             device=self.device,
             dtype=self.dtype,
+            cpu_kernels=self.cpu_kernels,
             tree_budget=self.tree_budget or None,
         )
 
@@ -165,10 +177,11 @@ def needs_reload(loaded: ModelSettings | None, wanted: ModelSettings) -> bool:
     not reload anything."""
     if loaded is None:
         return True
-    same_target = (loaded.target, loaded.device, loaded.dtype, loaded.tree_budget) == (
+    same_target = (loaded.target, loaded.device, loaded.dtype, loaded.cpu_kernels, loaded.tree_budget) == (
         wanted.target,
         wanted.device,
         wanted.dtype,
+        wanted.cpu_kernels,
         wanted.tree_budget,  # the head drafters are built for one tree size at load
     )
     if not same_target:
@@ -330,6 +343,13 @@ class SettingsDialog(QDialog):
         self.device.addItems(DEVICES)
         self.dtype = QComboBox()
         self.dtype.addItems(DTYPES)
+        self.cpu_kernels = QComboBox()
+        for name in CPU_KERNELS:
+            self.cpu_kernels.addItem(CPU_KERNEL_LABELS.get(name, name), name)
+        self.cpu_kernels.setToolTip("How a float32 model computes on a CPU. Integer rounds activations to 8 bits "
+                                    "(as llama.cpp does; top-1 agreement with float32 is measured by `speclens "
+                                    "bench --kernel-agreement`) and verifies drafts at a fraction of the cost. "
+                                    "Speculative output stays exactly that of plain decoding on the same kernels.")
         self.system_prompt = QPlainTextEdit()
         self.system_prompt.setPlaceholderText("Empty: the model's own default (from its chat template)")
         self.system_prompt.setToolTip("Sent before every conversation's messages, from the next message on")
@@ -349,6 +369,7 @@ class SettingsDialog(QDialog):
         model_form.addRow("Draft model", self.draft)
         model_form.addRow("Device", self.device)
         model_form.addRow("Precision", self.dtype)
+        model_form.addRow("CPU kernels", self.cpu_kernels)
         model_form.addRow("Tree nodes", self.tree_budget)
 
         decoding = QGroupBox("Decoding (applies from the next message)")
@@ -436,6 +457,7 @@ class SettingsDialog(QDialog):
         self.max_new_tokens.setValue(s.max_new_tokens)
         self.device.setCurrentText(s.device)
         self.dtype.setCurrentText(s.dtype)
+        self.cpu_kernels.setCurrentIndex(max(0, self.cpu_kernels.findData(s.cpu_kernels)))
         self.tree_budget.setValue(s.tree_budget)
         self.system_prompt.setPlainText(s.system_prompt)
         match = [i for i, e in enumerate(CATALOG) if (e.target, e.draft) == (s.target, s.draft)]
@@ -458,6 +480,7 @@ class SettingsDialog(QDialog):
             max_new_tokens=self.max_new_tokens.value(),
             device=self.device.currentText(),
             dtype=self.dtype.currentText(),
+            cpu_kernels=self.cpu_kernels.currentData(),
             adaptive_k=self.adaptive_k.isChecked(),
             tree_budget=self.tree_budget.value(),
             system_prompt=self.system_prompt.toPlainText().strip(),

@@ -9,7 +9,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.native import native_kernel  # noqa: E402,F401 - the fixture behind tests.native.needs_native
+from tests.native import integer_kernel, native_kernel  # noqa: E402,F401 - the fixtures behind needs_native, needs_integer
 
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine threads that wait
 # for each other make every small matmul orders of magnitude slower.

@@ -65,17 +65,17 @@ def test_settings_round_trip_and_bad_file(app_dirs):
     assert store.load() == AppSettings()
     chosen = AppSettings(target="Qwen/Qwen2.5-1.5B-Instruct", method="draft", draft="Qwen/Qwen2.5-0.5B-Instruct",
                          k=7, temperature=0.7, top_k=40, top_p=0.9, seed=123, max_new_tokens=64,
-                         device="cpu", dtype="float32", tree_budget=12,
+                         device="cpu", dtype="float32", cpu_kernels="native", tree_budget=12,
                          system_prompt="Answer in French.\nBe brief.")
     store.save(chosen)
     assert SettingsStore().load() == chosen
     # a bad value keeps its own default; the rest of the file is kept, and the file as it was is backed up
     bad = ("k = 99\nmethod = 'ar'\ntop_p = 0\nseed = 1099511627776\nmax_new_tokens = 4.5\nadaptive_k = 1\n"
-           "temperature = 1\nsystem_prompt = 3\n")
+           "temperature = 1\nsystem_prompt = 3\ncpu_kernels = 'fast'\n")
     store.path.write_text(bad)
     assert store.load() == AppSettings(method="ar", temperature=1.0)
     assert [line.split(" =")[0] for line in store.problems[:-1]] == ["k", "top_p", "seed", "max_new_tokens",
-                                                                     "adaptive_k", "system_prompt"]
+                                                                     "cpu_kernels", "adaptive_k", "system_prompt"]
     assert store.path.with_suffix(".toml.bak").read_text() == bad and ".bak" in store.problems[-1]
     store.path.write_text("not [ toml")
     assert store.load() == AppSettings() and "not valid TOML" in store.problems[0]
@@ -103,6 +103,8 @@ def test_generation_config_and_reload_rules():
     assert AppSettings().model_settings().tree_budget is None  # 0 in the dialog: by device
     assert AppSettings(tree_budget=8).model_settings().tree_budget == 8
     assert needs_reload(loaded, ModelSettings(target="t", draft="d", tree_budget=8))  # drafters are built at load
+    assert AppSettings(cpu_kernels="integer").model_settings().cpu_kernels == "integer"
+    assert needs_reload(loaded, ModelSettings(target="t", draft="d", cpu_kernels="native"))  # kernels swap at load
     turns = (("user", "hi"),)
     assert AppSettings().conversation(turns) == turns  # no system prompt: the template's default
     assert AppSettings(system_prompt="  Be brief. ").conversation(turns) == (("system", "Be brief."), ("user", "hi"))

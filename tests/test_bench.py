@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from speclens.engine.drafters.synthetic import SyntheticDrafter, greedy_referenc
 from speclens.engine.runtime.cache import CachedModel
 from speclens.engine.tools.bench import BenchOptions, Prompt, load_prompts, markdown, run_bench, select_prompts
 from speclens.engine.tools.cli import build_parser
-from tests.tiny import make_tiny_engine, tiny_llama, tiny_tokenizer
+from tests.tiny import hf_greedy, make_tiny_engine, tiny_llama, tiny_tokenizer
 
 PROMPTS = [
     Prompt("copy", ("Repeat: one two three four five six one two three four",)),
@@ -228,3 +229,88 @@ def test_markdown_flags_a_category_whose_output_differs_from_plain_decoding():
     rows = {line.split(" |")[0]: line for line in markdown(report).splitlines() if line.startswith("| c")}
     assert "NOT EQUAL" in rows["| code"] and "NOT EQUAL" not in rows["| copy"]
     assert "| lookup | 100.0 | 1.00x | 1.50 | NO |" in markdown(report)
+
+
+# --- kernel agreement and the llama.cpp peer ---
+
+
+def test_kernel_agreement_is_one_against_itself_and_below_one_against_another_model():
+    from speclens.engine.tools.bench import kernel_agreement
+
+    model, other = tiny_llama(seed=0), tiny_llama(seed=3)
+    texts = [tiny_tokenizer()(p.turns[0])["input_ids"] for p in PROMPTS]
+    same = kernel_agreement(model, model, texts)
+    assert same["positions"] == sum(len(t) - 1 for t in texts)
+    assert same["top1_agreement"] == 1.0 and same["perplexity"] == same["reference_perplexity"]
+    apart = kernel_agreement(model, other, texts)
+    assert apart["top1_agreement"] < 0.5 and apart["perplexity"] != apart["reference_perplexity"]
+
+
+def test_kernel_agreement_of_the_integer_kernels_with_float32_on_a_quantised_model():
+    from speclens.engine.runtime.models import _use_cpu_kernels
+    from speclens.engine.tools.bench import kernel_agreement
+    from tests.native import integer_or_skip
+    from tests.tiny import tiny_quantised_llama
+
+    integer_or_skip()
+    integer, floats = tiny_quantised_llama(seed=0), tiny_quantised_llama(seed=0)
+    _use_cpu_kernels(integer, "integer", torch.float32, lambda *a: None)
+    _use_cpu_kernels(floats, "native", torch.float32, lambda *a: None)
+    texts = [tiny_tokenizer()(p.turns[0])["input_ids"] for p in PROMPTS]
+    result = kernel_agreement(integer, floats, texts)
+    assert result["top1_agreement"] >= 0.9  # 8-bit activations move a near-tie now and then, no more
+    # this random model's logits are so peaked that perplexity is astronomic: compare the mean NLLs (logs)
+    assert abs(math.log(result["perplexity"]) / math.log(result["reference_perplexity"]) - 1) < 0.01
+    assert result["perplexity"] != result["reference_perplexity"]  # two kernels really ran
+
+
+def test_llama_cpp_is_refused_in_one_line_where_it_cannot_run(engine, monkeypatch):
+    import speclens.engine.tools.peers as peers
+
+    with pytest.raises(ValueError, match="llama_cpp not available here: .*"):
+        run_bench(engine, PROMPTS, BenchOptions(methods=("llama_cpp",), max_new_tokens=4))
+    monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: object())  # installed, but
+    assert "tiny-target is not one" in peers.llama_cpp_problem(engine)  # the tiny target has no GGUF file
+
+
+def test_llama_cpp_runs_in_the_bench_and_its_equality_with_ours_is_reported(engine, monkeypatch):
+    """The peer's plumbing, on a stand-in for llama.cpp that decodes with the tiny target itself: its
+    tokens are compared with ours like any method's, and a peer that answers otherwise is flagged."""
+    import speclens.engine.tools.bench as bench
+
+    class StandIn:
+        wrong = False
+
+        def generate(self, ids, max_new, eos_ids):
+            tokens = hf_greedy(engine.target.model, ids, max_new)
+            return (tuple(t + 1 for t in tokens) if self.wrong else tuple(tokens)), 0.01
+
+    peer = StandIn()
+    monkeypatch.setattr(bench, "llama_cpp_problem", lambda engine: None)
+    monkeypatch.setattr(bench, "llama_cpp_peer", lambda engine, threads, n_ctx: peer)
+    report = run_bench(engine, PROMPTS, BenchOptions(methods=("llama_cpp",), max_new_tokens=12))
+    assert set(report.methods) == {"ar", "llama_cpp"} and report.methods["llama_cpp"].equal_to_ar is True
+    assert report.methods["llama_cpp"].new_tokens == 12 * len(PROMPTS)
+    peer.wrong = True
+    report = run_bench(engine, PROMPTS, BenchOptions(methods=("llama_cpp",), max_new_tokens=12))
+    assert report.methods["llama_cpp"].equal_to_ar is False
+    with pytest.raises(ValueError, match="greedy only"):
+        run_bench(engine, PROMPTS, BenchOptions(methods=("llama_cpp",), max_new_tokens=4,
+                                                sampling=SamplingParams(temperature=0.7)))
+
+
+@pytest.mark.slow
+def test_llama_cpp_decodes_the_default_gguf_as_we_do():
+    """Where llama-cpp-python is installed (the `peers` extra; CI skips this): llama.cpp on the default
+    model's own GGUF file, fed our chat template's token ids, gives tokens and a rate."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (pip install -e '.[peers]')")
+    from speclens.engine.session import Engine, ModelSettings
+
+    default = Engine.load(ModelSettings())
+    report = run_bench(default, PROMPTS[:1], BenchOptions(methods=("llama_cpp",), max_new_tokens=24, warmup=False))
+    result = report.methods["llama_cpp"]
+    assert result.new_tokens > 0 and result.tokens_per_s > 0
+    assert result.equal_to_ar in (True, False)  # reported either way; README's figures say which it was

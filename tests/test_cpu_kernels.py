@@ -24,8 +24,8 @@ from speclens.engine.runtime.cpu_kernels import (
 )
 from speclens.engine.runtime.models import _use_cpu_kernels
 from speclens.engine.runtime.native_kernels import NativeLinear
-from tests.native import native_or_skip
-from tests.tiny import hf_greedy, tiny_llama, tiny_tokenizer
+from tests.native import integer_or_skip, native_or_skip
+from tests.tiny import hf_greedy, tiny_llama, tiny_quantised_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(not packed_kernels_work(torch.float32), reason="no oneDNN packed linear in this torch")
 
@@ -163,13 +163,22 @@ def test_packed_linear_refuses_to_train():
         PackedLinear(linear.weight, linear.bias)(torch.randn(2, 8, requires_grad=True))
 
 
-@pytest.fixture(scope="module", params=[("packed", "onednn"), ("stock", "onednn"), ("stock", "mkl"), ("native", None)])
+@pytest.fixture(scope="module", params=[("packed", "onednn"), ("stock", "onednn"), ("stock", "mkl"), ("native", None), ("integer", None)],
+                ids=["packed", "stock-onednn", "stock-mkl", "native", "integer"])
 def models(request):
     """(stock model, packed copy); the copy's single rows run on the packed kernel or on F.linear
     (what `auto` picks per shape where stock measures faster), its blocks on oneDNN or MKL, so plain
     decoding and verification blocks may run on different kernels; or the copy runs on SpecLens's
-    native linears and attention (engine/native_kernels.py)."""
+    native linears and attention (engine/native_kernels.py), or on its integer kernels (a model of Q4_1 and
+    Q8_0-style weights, as the embedded default)."""
     one_row, blocks = request.param
+    if one_row == "integer":
+        integer_or_skip()
+        stock = tiny_quantised_llama(seed=0)
+        packed = copy.deepcopy(stock)
+        _use_cpu_kernels(packed, "integer", torch.float32, lambda *a: None)
+        assert packed.lm_head.integer and packed.model.layers[0].self_attn.q_proj.integer
+        return stock, packed
     if blocks == "mkl" and not mkl_blocks_work():
         pytest.skip("no MKL packed linear in this torch")
     stock = tiny_llama(seed=0)
@@ -198,13 +207,22 @@ def test_packed_model_keeps_the_logits_and_the_lm_head_weight(models):
     assert packed.get_output_embeddings().weight is not None  # EAGLE's draft rows and training read it
     ids = torch.tensor([tiny_tokenizer()(PROMPT)["input_ids"]])
     with torch.inference_mode():
-        torch.testing.assert_close(packed(ids).logits, stock(ids).logits, atol=1e-4, rtol=1e-4)
+        got, want = packed(ids).logits, stock(ids).logits
+    if getattr(packed.lm_head, "integer", False):  # activations rounded to 8 bits
+        assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.05
+    else:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_every_head_method_on_a_packed_target_equals_plain_decoding(models):
     stock, packed = models
     n = 32
     reference = hf_greedy(stock, tiny_tokenizer()(PROMPT)["input_ids"], n)
+    if getattr(packed.lm_head, "integer", False):
+        # other numbers (activations rounded to 8 bits): the reference is its own plain decoding. (HF's
+        # forward on the same kernels rounds the float32 steps between them differently, and a different
+        # hidden state rounds to other 8-bit codes, so on this random model HF's greedy drifts at token 23.)
+        reference = list(_greedy(packed, n=n).token_ids)
     assert list(_greedy(packed, n=n).token_ids) == reference
     torch.manual_seed(4)
     eagle = EagleHead.for_target(packed.config)

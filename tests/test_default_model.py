@@ -5,6 +5,7 @@ import torch
 
 from speclens.engine.decoding.decode import GenerationConfig
 from speclens.engine.decoding.events import Summary
+from speclens.engine.runtime.native_kernels import native_build
 from speclens.engine.session import Engine, ModelSettings
 
 pytestmark = pytest.mark.slow
@@ -47,6 +48,8 @@ def test_multi_turn_reuses_cache_and_stays_exact(engine):
 
 
 def test_every_method_greedy_equals_plain_decoding(engine):
+    if native_build().integer:  # where the integer kernels passed their check, `auto` runs them: this is their test too
+        assert engine.target.model.lm_head.integer and engine.target.model.model.layers[0].mlp.down_proj.integer
     assert {"eagle", "eagle_chain", "eagle_lookup", "medusa", "rest"} <= set(engine.methods)  # the shipped ones load
     assert engine.drafter("eagle_lookup").store is engine.drafter("rest").store  # the datastore is grafted too
     ids = engine.encode_chat([{"role": "user", "content": "List the days of the week."}])

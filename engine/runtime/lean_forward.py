@@ -44,6 +44,7 @@ class LeanLlamaForward:
         self.scale = layers[0].self_attn.scaling
         self.eps = layers[0].input_layernorm.variance_epsilon
         self.weights, self.columns = decoder_weights(layers)
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # rotary cos, sin [n, D] (rotations)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, allowed: torch.Tensor | None,
                  cache, n_logits: int, keep_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -52,19 +53,33 @@ class LeanLlamaForward:
         Returns logits [n_logits, V] of the last rows and, if keep_hidden, final hidden states [T, H]."""
         with torch.inference_mode():
             x = self.embed(input_ids)  # [T, H]
-            cos, sin = self.rotary(x, position_ids[None])  # [1, T, D] each
-            cached = cache.layers[0].get_seq_length()
+            cos, sin = self.rotations(x, position_ids)  # [T, D] each
+            layers = cache.layers
+            cached = layers[0].get_seq_length()
             end = cached + input_ids.shape[0]
             like = x.new_empty(1, self.kv_heads, 0, self.head_dim)
-            buffers = [layer.reserve(end, like, like) for layer in cache.layers]  # [1, kv heads, capacity, D] each
+            for layer in layers:
+                layer.reserve(end, like, like)  # [1, kv heads, capacity, D] each
             logits, hidden = self.kernel.decoder(
-                x, cos[0].contiguous(), sin[0].contiguous(), self.weights, [k[0] for k, _ in buffers],
-                [v[0] for _, v in buffers], cached, allowed, self.norm.weight.detach(), self.model.lm_head.panels,
-                self.model.lm_head.out_features, self.heads, self.kv_heads, *self.columns, self.eps, self.scale,
-                n_logits, keep_hidden)
-            for layer in cache.layers:
+                x, cos, sin, self.weights, [layer.planes[0] for layer in layers],
+                [layer.planes[1] for layer in layers], cached, allowed, self.norm.weight.detach(),
+                self.model.lm_head.panels, self.model.lm_head.out_features, self.heads, self.kv_heads, *self.columns,
+                self.eps, self.scale, n_logits, keep_hidden)
+            for layer in layers:
                 layer.advance(end)
         return logits, hidden if keep_hidden else None
+
+
+    def rotations(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] of the rotary embedding at position_ids [T]: rows of a table HF's rotary module
+        made for positions 0 .. n - 1 (grown by doubling), where calling the module each step took 0.1 ms.
+        A row is the same whichever step reads it, so a verified block still matches decoding bit for bit."""
+        top = int(position_ids.max()) + 1
+        if self._table is None or top > self._table[0].shape[0]:
+            n = max(256, 2 * top)
+            cos, sin = self.rotary(x, torch.arange(n)[None])  # [1, n, D] each
+            self._table = (cos[0].contiguous(), sin[0].contiguous())
+        return self._table[0][position_ids], self._table[1][position_ids]
 
 
 def decoder_weights(layers) -> tuple[list[torch.Tensor], tuple[int, int, int, int]]:

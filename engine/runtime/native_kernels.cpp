@@ -445,7 +445,7 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t
 // w: the panel's blocks; out [MR, ldo], `cols` valid columns.
 template <int MR, bool Nibbles>
 void int_tile(const int8_t* q, const float* d, const int32_t* s, int64_t K, const uint8_t* w, float* out,
-              int64_t ldo, int64_t cols) {
+              int64_t ldo, int64_t cols, bool add) {
   constexpr int64_t bytes = Nibbles ? 320 : 544;
   const int64_t B = K / 32;
   __m512 acc[MR];
@@ -495,7 +495,10 @@ void int_tile(const int8_t* q, const float* d, const int32_t* s, int64_t K, cons
   }
   const __mmask16 mask = column_mask(cols);
 #pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
+  for (int r = 0; r < MR; ++r) {
+    if (add) acc[r] = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out + r * ldo), acc[r]);  // out + y, as add_ does
+    _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
+  }
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -523,7 +526,7 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, int32_t
 // x 2; 8-bit: |q| <= 128 with the sign moved onto qx, 128 x 127 x 2).
 template <int MR, bool Nibbles>
 void int_tile(const int8_t* q, const float* d, const int32_t* s, int64_t K, const uint8_t* w, float* out,
-              int64_t ldo, int64_t cols) {
+              int64_t ldo, int64_t cols, bool add) {
   constexpr int64_t bytes = Nibbles ? 320 : 544;
   const int64_t B = K / 32;
   __m256 acc[MR][2];
@@ -566,7 +569,7 @@ void int_tile(const int8_t* q, const float* d, const int32_t* s, int64_t K, cons
       alignas(32) float lanes[16];
       _mm256_store_ps(lanes, acc[r][0]);
       _mm256_store_ps(lanes + 8, acc[r][1]);
-      out[r * ldo + c] = lanes[c];
+      out[r * ldo + c] = add ? out[r * ldo + c] + lanes[c] : lanes[c];
     }
 }
 
@@ -574,7 +577,8 @@ void int_tile(const int8_t* q, const float* d, const int32_t* s, int64_t K, cons
 
 // All M rows of one panel, in tiles of up to kIntRows rows (the panel, a few KB, stays in cache).
 template <bool Nibbles>
-void int_rows(const Q8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* out, int64_t ldo, int64_t cols) {
+void int_rows(const Q8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* out, int64_t ldo, int64_t cols,
+              bool add) {
   const int64_t B = K / 32;
   for (int64_t r0 = 0; r0 < M; r0 += kIntRows) {
     const int8_t* q = x.q.data() + r0 * K;
@@ -584,7 +588,7 @@ void int_rows(const Q8Rows& x, int64_t M, int64_t K, const uint8_t* w, float* ou
     switch (std::min<int64_t>(kIntRows, M - r0)) {
 #define SPECLENS_INT_TILE(n) \
   case n:                    \
-    int_tile<n, Nibbles>(q, d, s, K, w, o, ldo, cols); \
+    int_tile<n, Nibbles>(q, d, s, K, w, o, ldo, cols, add); \
     break;
       SPECLENS_INT_TILE(1) SPECLENS_INT_TILE(2) SPECLENS_INT_TILE(3) SPECLENS_INT_TILE(4)
       SPECLENS_INT_TILE(5) SPECLENS_INT_TILE(6) SPECLENS_INT_TILE(7) SPECLENS_INT_TILE(8)
@@ -833,39 +837,51 @@ torch::Tensor pack(const torch::Tensor& weight, bool bfloat16) {
   return (bfloat16 ? panels.to(torch::kBFloat16) : panels).contiguous();
 }
 
+// Whether panels are in an integer layout: 4-bit [P, B, 5, 64] (nibbles) or 8-bit [P, B, 17, 32].
+bool integer_nibbles(const torch::Tensor& panels, int64_t K, int64_t N) {
+  const bool nibbles = panels.size(2) == 5 && panels.size(3) == 64, bytes = panels.size(2) == 17 && panels.size(3) == 32;
+  TORCH_CHECK(panels.scalar_type() == torch::kByte && panels.is_contiguous() && (nibbles || bytes) && K % 32 == 0 &&
+                  panels.size(1) == K / 32 && panels.size(0) * kPanel >= N,
+              "integer blocks do not fit this input");
+  return nibbles;
+}
+
+// out [M, N] (= or +=) the M rows xs [M, K], each quantised to Q8 blocks on its own, against integer blocks.
+void integer_product(const float* xs, int64_t M, int64_t K, const torch::Tensor& panels, int64_t N, float* out,
+                     bool add) {
+  const bool nibbles = integer_nibbles(panels, K, N);
+  const int64_t B = K / 32;
+  Q8Rows rows;
+  rows.q.resize(M * K);
+  rows.d.resize(M * B);
+  rows.s.resize(M * B);
+  for (int64_t r = 0; r < M; ++r)  // each row on its own: its blocks never see another row
+    quantize_row(xs + r * K, K, rows.q.data() + r * K, rows.d.data() + r * B, rows.s.data() + r * B);
+  const uint8_t* w = panels.data_ptr<uint8_t>();
+  const int64_t stride = B * (nibbles ? 320 : 544), used = (N + kPanel - 1) / kPanel;
+  at::parallel_for(0, used, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
+      if (nibbles) int_rows<true>(rows, M, K, w + p * stride, out + p * kPanel, N, cols, add);
+      else int_rows<false>(rows, M, K, w + p * stride, out + p * kPanel, N, cols, add);
+    }
+  });
+}
+
 // x [..., K] float32 quantised to Q8 blocks, against integer-layout blocks [P, K / 32, 5, 64] (4-bit) or
 // [P, K / 32, 17, 32] (8-bit); bias [N] or None -> [..., N]. linear() sends integer layouts here.
 torch::Tensor linear_integer(const torch::Tensor& x, const torch::Tensor& panels,
                              const c10::optional<torch::Tensor>& bias, int64_t N) {
-  const int64_t K = x.size(-1), B = K / 32;
+  const int64_t K = x.size(-1);
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "linear takes float32 CPU input");
-  const bool nibbles = panels.size(2) == 5 && panels.size(3) == 64, bytes = panels.size(2) == 17 && panels.size(3) == 32;
-  TORCH_CHECK(panels.scalar_type() == torch::kByte && panels.is_contiguous() && (nibbles || bytes) && K % 32 == 0 &&
-                  panels.size(1) == B && panels.size(0) * kPanel >= N,
-              "integer blocks do not fit this input");
+  integer_nibbles(panels, K, N);
   const auto flat = x.reshape({-1, K}).contiguous();
   const int64_t M = flat.size(0);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto out = torch::empty({M, N}, x.options());
   if (M == 0) return out.view(sizes);
-  Q8Rows rows;
-  rows.q.resize(M * K);
-  rows.d.resize(M * B);
-  rows.s.resize(M * B);
-  const float* xs = flat.data_ptr<float>();
-  for (int64_t r = 0; r < M; ++r)  // each row on its own: its blocks never see another row
-    quantize_row(xs + r * K, K, rows.q.data() + r * K, rows.d.data() + r * B, rows.s.data() + r * B);
-  const uint8_t* w = panels.data_ptr<uint8_t>();
-  const int64_t stride = B * (nibbles ? 320 : 544), used = (N + kPanel - 1) / kPanel;
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, used, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
-      if (nibbles) int_rows<true>(rows, M, K, w + p * stride, op + p * kPanel, N, cols);
-      else int_rows<false>(rows, M, K, w + p * stride, op + p * kPanel, N, cols);
-    }
-  });
+  integer_product(flat.data_ptr<float>(), M, K, panels, N, out.data_ptr<float>(), false);
   if (bias.has_value() && bias->defined()) {
     const auto b = bias->contiguous();
     TORCH_CHECK(b.scalar_type() == torch::kFloat32 && b.numel() == N, "bias must be float32 [N]");
@@ -1094,6 +1110,17 @@ void silu_mul(const float* g, const float* u, int64_t ld, int64_t T, int64_t I, 
 
 }  // namespace
 
+// x [T, H] += rows [T, K] @ W^T: integer blocks add into x in the tile's store (no product tensor, no
+// add_ call: at T = 1 those were a tenth of a layer's time); other panels through linear() and add_.
+void add_product(torch::Tensor& x, const torch::Tensor& rows, const torch::Tensor& panels) {
+  const int64_t H = x.size(1);
+  if (panels.dim() == 4 && rows.is_contiguous()) {
+    integer_product(rows.data_ptr<float>(), rows.size(0), rows.size(1), panels, H, x.data_ptr<float>(), true);
+  } else {
+    x.add_(linear(rows, panels, c10::nullopt, H));
+  }
+}
+
 // A Llama decoder stack on the kernels above, HF's LlamaDecoderLayer math per layer, without a trip
 // back to Python between ops. x [T, H] embeddings; cos, sin [T, D]; per layer six tensors in
 // `weights`: input norm [H], q/k/v panels stacked (columns: q at 0, k at k_at, v at v_at), o panels,
@@ -1142,12 +1169,12 @@ std::vector<torch::Tensor> decoder(torch::Tensor x, const torch::Tensor& cos, co
       }
     const auto q = qkv.narrow(1, 0, heads * D).view({T, heads, D});
     const auto attended = attention(q, k_cache.narrow(1, 0, end), v_cache.narrow(1, 0, end), mask, scale, true);
-    x.add_(linear(attended.view({T, heads * D}), w[2], c10::nullopt, H));
+    add_product(x, attended.view({T, heads * D}), w[2]);
     rms_norm(x.data_ptr<float>(), w[3].data_ptr<float>(), T, H, eps, normed.data_ptr<float>());
     auto gate_up = linear(normed, w[4], c10::nullopt, w[4].size(0) * kPanel);  // [T, gate | up]
     const float* gp = gate_up.data_ptr<float>();
     silu_mul(gp, gp + up_at, gate_up.size(1), T, intermediate, act.data_ptr<float>());
-    x.add_(linear(act, w[5], c10::nullopt, H));
+    add_product(x, act, w[5]);
   }
   const int64_t rows = keep_hidden ? T : n_logits;
   auto hidden = x.narrow(0, T - rows, rows);

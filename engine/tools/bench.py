@@ -36,6 +36,7 @@ from speclens.engine.decoding.sampling import SamplingParams
 from speclens.engine.runtime.attention import is_native_attention
 from speclens.engine.runtime.cache import sync
 from speclens.engine.runtime.cpu_kernels import PackedLinear, is_packed, native_kernel_of, one_token_seconds
+from speclens.engine.runtime.native_kernels import NativeLinear
 from speclens.engine.tools.args import load_engine
 from speclens.engine.tools.peers import LLAMA_CPP, llama_cpp_peer, llama_cpp_problem
 
@@ -637,11 +638,44 @@ def _cmd_kernel_agreement(engine, prompts: Sequence[Prompt], options: BenchOptio
     return 0
 
 
+def weight_bytes(model) -> int:
+    """Bytes one forward streams from the model's linear weights: a native linear's panels or blocks as
+    held, another linear's weight."""
+    total = 0
+    for module in model.modules():
+        held = module.panels if isinstance(module, NativeLinear) else None
+        if held is None and isinstance(module, torch.nn.Linear):
+            held = module.weight
+        total += held.numel() * held.element_size() if held is not None else 0
+    return total
+
+
+def memory_floor(nbytes: int, rounds: int = 7) -> tuple[float, float]:
+    """(seconds to read `nbytes` once, bandwidth in bytes/s) at this many threads: the best of `rounds`
+    sums over a 512 MB buffer (larger than any cache, so each round reads memory), scaled to nbytes."""
+    buffer = torch.ones(128 * 2**20)  # float32: 512 MB
+    buffer.sum()
+    best = math.inf
+    for _ in range(rounds):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    bandwidth = buffer.numel() * buffer.element_size() / best
+    return nbytes / bandwidth, bandwidth
+
+
 def _cmd_verify_cost(engine, prompts: Sequence[Prompt], options: BenchOptions, args: argparse.Namespace) -> int:
     ids = engine.encode_chat([{"role": "user", "content": select_prompts(prompts, 1)[0].turns[0]}])
     set_threads(engine, ids, options.threads)
     costs = verify_cost(engine, ids)
     print(verify_cost_markdown(engine, costs, len(ids) - 1), end="")
+    floor = None
+    if engine.target.device.type == "cpu":
+        nbytes = weight_bytes(engine.target.model)
+        floor, bandwidth = memory_floor(nbytes)
+        print(f"\nMemory floor: the linears' {nbytes / 2**20:.0f} MiB read once at {bandwidth / 1e9:.1f} GB/s "
+              f"(a 512 MB sum, {torch.get_num_threads()} threads) = {1000 * floor:.2f} ms; "
+              f"T={min(costs)} is {costs[min(costs)] / floor:.2f}x of it")
     kernels = one_row_kernels(engine)
     if kernels:
         print(f"\nOne-token forward (no cache), single rows on stock kernels: {1000 * kernels[0]:.1f} ms; "
@@ -649,5 +683,9 @@ def _cmd_verify_cost(engine, prompts: Sequence[Prompt], options: BenchOptions, a
     if args.json:
         Path(args.json).write_text(json.dumps({"device": describe_target(engine),
                                                "dtype": str(engine.target.model.dtype), "context": len(ids) - 1,
-                                               "verify_ms": {str(t): 1000 * c for t, c in costs.items()}}, indent=2) + "\n")
+                                               "verify_ms": {str(t): 1000 * c for t, c in costs.items()},
+                                               "memory_floor_ms": None if floor is None else 1000 * floor,
+                                               "weight_bytes": weight_bytes(engine.target.model),
+                                               "threads": torch.get_num_threads(), "cpu": platform.processor()
+                                               or platform.machine()}, indent=2) + "\n")
     return 0

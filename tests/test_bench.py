@@ -242,6 +242,9 @@ def test_kernel_agreement_is_one_against_itself_and_below_one_against_another_mo
     same = kernel_agreement(model, model, texts)
     assert same["positions"] == sum(len(t) - 1 for t in texts)
     assert same["top1_agreement"] == 1.0 and same["perplexity"] == same["reference_perplexity"]
+    with torch.no_grad():  # a peer's logits handed in as rows (llama.cpp's), one [T - 1, V] per text
+        rows = [model(torch.tensor([t])).logits[0, :-1] for t in texts]
+    assert kernel_agreement(None, model, texts, rows)["top1_agreement"] == 1.0
     apart = kernel_agreement(model, other, texts)
     assert apart["top1_agreement"] < 0.5 and apart["perplexity"] != apart["reference_perplexity"]
 
@@ -314,3 +317,16 @@ def test_llama_cpp_decodes_the_default_gguf_as_we_do():
     result = report.methods["llama_cpp"]
     assert result.new_tokens > 0 and result.tokens_per_s > 0
     assert result.equal_to_ar in (True, False)  # reported either way; README's figures say which it was
+
+
+@pytest.mark.parametrize("flags, words", [(["--threads", "0"], "--threads"), (["--num-prompts", "-1"], "--num-prompts"),
+                                          (["--temperature", "nan"], "temperature"), (["--threads", "many"], "many")])
+def test_bad_bench_flags_get_one_line_before_any_model_loads(flags, words, capsys):
+    from speclens.engine.tools.bench import cmd_bench
+
+    def no_load(_):
+        raise AssertionError("a model was loaded")
+
+    assert cmd_bench(build_parser().parse_args(["bench", *flags]), engine_factory=no_load) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error:") and words in error and "\n" not in error

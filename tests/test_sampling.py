@@ -48,7 +48,11 @@ def test_greedy_returns_unwarped_logits():
     torch.testing.assert_close(out, LOGITS)
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(repetition_penalty=0)])
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(repetition_penalty=0),
+                                 dict(temperature=float("nan")), dict(temperature=float("inf")), dict(temperature=101),
+                                 dict(top_p=float("nan")), dict(repetition_penalty=float("nan")),
+                                 dict(repetition_penalty=float("inf"))])
 def test_invalid_params_are_refused(bad):
-    with pytest.raises(ValueError):
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=name):  # one line naming the setting and its range
         SamplingParams(**bad)

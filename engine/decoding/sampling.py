@@ -13,6 +13,10 @@ from dataclasses import dataclass
 import torch
 
 
+MAX_TEMPERATURE = 100.0  # beyond it the distribution is uniform noise to float32; inf and NaN are refused
+MAX_REPETITION_PENALTY = 100.0
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 means greedy
@@ -21,14 +25,15 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 means off (CTRL-style: divide positive logits, multiply negative)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
+        # `not (a <= x <= b)` rather than `x < a`: NaN fails every comparison, so it is refused too
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in 0..{MAX_TEMPERATURE:g} (0 is greedy), got {self.temperature}")
+        if not 0 <= self.top_k:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:

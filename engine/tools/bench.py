@@ -567,6 +567,10 @@ def cmd_bench(args: argparse.Namespace, engine_factory: Callable | None = None) 
             threads="auto" if args.threads == "auto" else int(args.threads),
         )
         GenerationConfig(k=options.k, max_new_tokens=options.max_new_tokens)  # validates both
+        if isinstance(options.threads, int) and not 1 <= options.threads <= 1024:
+            raise ValueError(f"--threads must be a number of threads from 1, or auto, got {options.threads}")
+        if options.num_prompts is not None and options.num_prompts < 1:
+            raise ValueError(f"--num-prompts must be at least 1, got {options.num_prompts}")
         prompts = load_prompts(args.prompts)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -593,18 +597,19 @@ def cmd_bench(args: argparse.Namespace, engine_factory: Callable | None = None) 
     return 0
 
 
-def kernel_agreement(model, reference, texts: Sequence[list[int]]) -> dict:
+def kernel_agreement(model, reference, texts: Sequence[list[int]], rows=None) -> dict:
     """Teacher-forced over each token list: how often model's top-1 next token is reference's, and the
-    perplexity of the text under each (the mean negative log-likelihood of every next token, exp'd)."""
+    perplexity of the text under each (the mean negative log-likelihood of every next token, exp'd).
+    `rows`, if given, replaces model: an iterator of logits [T - 1, V'] per text (a peer's)."""
     agree = positions = 0
     nll = nll_reference = 0.0
+    texts = [ids for ids in texts if len(ids) >= 2]
+    rows = iter(rows) if rows is not None else None
     with torch.no_grad():
         for ids in texts:
-            if len(ids) < 2:
-                continue
             x = torch.tensor([ids])
-            logits = model(x).logits[0, :-1].double()  # [T-1, V]
-            wanted = reference(x).logits[0, :-1].double()
+            wanted = reference(x).logits[0, :-1].double()  # [T-1, V]
+            logits = (next(rows) if rows is not None else model(x).logits[0, :-1]).double()[:, : wanted.shape[-1]]
             nexts = x[0, 1:]
             agree += int((logits.argmax(-1) == wanted.argmax(-1)).sum())
             positions += len(ids) - 1
@@ -626,6 +631,7 @@ def _cmd_kernel_agreement(engine, prompts: Sequence[Prompt], options: BenchOptio
     tokenizer = engine.target.tokenizer
     chosen = select_prompts(prompts, options.num_prompts)
     texts = [tokenizer("\n\n".join(p.turns), add_special_tokens=False)["input_ids"] for p in chosen]
+    texts = [ids for ids in texts if len(ids) >= 2]  # a next token to predict
     result = kernel_agreement(engine.target.model, reference, texts)
     result["kernels"] = describe_target(engine)
     result["prompts"] = len(chosen)
@@ -633,6 +639,13 @@ def _cmd_kernel_agreement(engine, prompts: Sequence[Prompt], options: BenchOptio
           f"{result['positions']} tokens of {len(chosen)} prompts' text\n"
           f"top-1 agreement {result['top1_agreement']:.2%}; perplexity {result['perplexity']:.4f} against "
           f"{result['reference_perplexity']:.4f} ({result['perplexity'] / result['reference_perplexity'] - 1:+.2%})")
+    if llama_cpp_problem(engine) is None:  # the peer on the same GGUF, the same text, the same reference
+        from speclens.engine.tools.peers import llama_cpp_logits
+
+        peer = kernel_agreement(None, reference, texts, llama_cpp_logits(engine, texts, torch.get_num_threads()))
+        result[LLAMA_CPP] = peer
+        print(f"llama.cpp on the same GGUF: top-1 agreement {peer['top1_agreement']:.2%}; perplexity "
+              f"{peer['perplexity']:.4f} ({peer['perplexity'] / peer['reference_perplexity'] - 1:+.2%})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -81,3 +81,26 @@ def llama_cpp_peer(engine, threads: int, n_ctx: int) -> LlamaCppPeer:
         peer = LlamaCppPeer(path, threads, max(n_ctx, 2048))
         engine._speclens_llama_cpp = peer
     return peer
+
+
+def llama_cpp_logits(engine, texts: list[list[int]], threads: int):
+    """Teacher-forced logits [T - 1, V] of llama.cpp for each token list (its own context, all rows kept):
+    what `speclens bench --kernel-agreement` compares with float32 beside our own kernels."""
+    import numpy as np
+    import torch
+    from llama_cpp import Llama
+
+    from speclens.engine.runtime.models import DEFAULT_MODEL, default_gguf
+
+    problem = llama_cpp_problem(engine)
+    if problem:
+        raise ValueError(f"{LLAMA_CPP}: {problem}")
+    path = gguf_of(engine)
+    path = default_gguf() if path == DEFAULT_MODEL else path
+    longest = max((len(ids) for ids in texts), default=1)
+    llm = Llama(model_path=str(path), n_ctx=max(longest + 8, 512), n_threads=threads, n_threads_batch=threads,
+                n_batch=512, logits_all=True, verbose=False)
+    for ids in texts:
+        llm.reset()
+        llm.eval(ids)
+        yield torch.from_numpy(np.array(llm.scores[: len(ids) - 1]))

@@ -49,9 +49,11 @@ class LlamaCppPeer:
     def generate(self, ids: list[int], max_new: int, eos_ids: frozenset[int]) -> tuple[tuple[int, ...], float]:
         """Greedy tokens after `ids` (stopping after an end-of-sequence token, as ours does) and the
         decode seconds, prefill of ids[:-1] excluded."""
+        import llama_cpp
         import numpy as np
 
         llm = self.llm
+        vocab = llm.n_vocab()
         llm.reset()
         if len(ids) > 1:
             llm.eval(ids[:-1])
@@ -59,7 +61,9 @@ class LlamaCppPeer:
         start = time.perf_counter()
         llm.eval(ids[-1:])
         while True:
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))  # the last row's logits [V]
+            # the last row's logits [V], read from the context (Llama.scores holds them only with logits_all)
+            last = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
+            token = int(np.argmax(last))
             tokens.append(token)
             if token in eos_ids or len(tokens) >= max_new:
                 break

@@ -8,18 +8,24 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from speclens.engine.tools.cli import SUBCOMMANDS
-
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The window or a subcommand; Ctrl-C at any moment, imports included, ends with "interrupted" and
+    exit status 130 (no traceback)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and (argv[0] in SUBCOMMANDS or argv[0] in ("-h", "--help")):
-        from speclens.engine.tools.cli import main as cli_main
+    try:
+        from speclens.engine.tools.cli import SUBCOMMANDS  # inside the try: imports take seconds
 
-        return cli_main(argv)
-    from speclens.app.main import main as app_main  # the window
+        if argv and (argv[0] in SUBCOMMANDS or argv[0] in ("-h", "--help")):
+            from speclens.engine.tools.cli import main as cli_main
 
-    return app_main(argv)
+            return cli_main(argv)
+        from speclens.app.main import main as app_main  # the window
+
+        return app_main(argv)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ message only.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -37,9 +36,22 @@ from PySide6.QtWidgets import (
 from speclens.app.plots import AdvisorPanel
 from speclens.engine.decoding.decode import GenerationConfig
 from speclens.engine.decoding.events import StepEvent
+from speclens.engine.decoding.limits import (
+    DTYPES,
+    MAX_K,
+    MAX_NEW_TOKENS,
+    MAX_TREE_BUDGET,
+    OVERFLOW_LABELS,
+    OVERFLOW_POLICIES,
+    check_choice,
+    check_device,
+    check_int,
+    check_method,
+    check_text,
+)
 from speclens.engine.decoding.sampling import SamplingParams
 from speclens.engine.runtime.models import CPU_KERNELS
-from speclens.engine.session import MAX_TREE_BUDGET, ModelSettings
+from speclens.engine.session import ModelSettings
 
 # The engine says which methods a loaded pair offers (Engine.methods); these only name the known ones.
 METHOD_LABELS = {
@@ -62,13 +74,11 @@ DRAFT_MODEL_METHODS = frozenset({"draft", "tree"})
 AUTO_METHOD = "auto"
 # Offered before any engine has reported its own list (e.g. settings opened before the first load).
 FALLBACK_METHODS: tuple[str, ...] = ("auto", "ar", "lookup", "draft")
-_METHOD_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 
 
 def method_label(method: str) -> str:
     return METHOD_LABELS.get(method, method)
-DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda", "mps")
-DTYPES: tuple[str, ...] = ("auto", "float32", "float16", "bfloat16")
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda", "mps")  # offered in the dialog; settings.toml may say cuda:N
 CPU_KERNEL_LABELS = {  # the engine's CPU_KERNELS, as the dialog names them
     "auto": "auto (integer where its check passes on this CPU)",
     "integer": "integer (8-bit activations, VNNI / AVX2)",
@@ -76,8 +86,6 @@ CPU_KERNEL_LABELS = {  # the engine's CPU_KERNELS, as the dialog names them
     "packed": "packed (PyTorch, oneDNN)",
     "stock": "stock (PyTorch's nn.Linear)",
 }
-MAX_K = 16
-MAX_NEW_TOKENS = 8192
 MAX_SEED = 2**31 - 1  # what the dialog's spin box holds
 MAX_SYSTEM_PROMPT = 20_000  # characters
 
@@ -99,6 +107,8 @@ class AppSettings:
     adaptive_k: bool = True  # K above is then the upper bound of the +2/-1 schedule
     tree_budget: int = 0  # draft-tree nodes of the EAGLE / Medusa methods; 0 = by device (CPU: up to 4, cut; GPU: 32)
     system_prompt: str = ""  # sent before every conversation's turns; empty = the chat template's own default
+    # a conversation past the model's context: drop its oldest turns (said in a banner), or stop with a message
+    context_overflow: str = "drop_oldest"
 
     def __post_init__(self) -> None:
         for f in fields(self):  # a hand-edited file can hold any TOML type
@@ -106,28 +116,19 @@ class AppSettings:
             numeric = kind is float and isinstance(value, int) and not isinstance(value, bool)
             if not (type(value) is kind or numeric):
                 raise ValueError(f"{f.name} must be {kind.__name__}, got {value!r}")
-        # any well-formed name: only the loaded engine knows which methods it offers
-        if not isinstance(self.method, str) or not _METHOD_NAME.fullmatch(self.method):
-            raise ValueError(f"method must be a method name such as 'lookup', got {self.method!r}")
-        if not isinstance(self.adaptive_k, bool):
-            raise ValueError("adaptive_k must be true or false")
-        if not 1 <= self.k <= MAX_K:
-            raise ValueError(f"K must be in 1..{MAX_K}, got {self.k}")
-        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
-            raise ValueError(f"max new tokens must be in 1..{MAX_NEW_TOKENS}, got {self.max_new_tokens}")
-        if not -1 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be in -1..{MAX_SEED} (-1: a fresh seed per message), got {self.seed}")
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.cpu_kernels not in CPU_KERNELS:
-            raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {self.cpu_kernels!r}")
-        if not 0 <= self.tree_budget <= MAX_TREE_BUDGET:
-            raise ValueError(f"tree nodes must be in 0..{MAX_TREE_BUDGET} (0 = by device), got {self.tree_budget}")
-        if len(self.system_prompt) > MAX_SYSTEM_PROMPT:
-            raise ValueError(f"the system prompt must be at most {MAX_SYSTEM_PROMPT} characters")
-        SamplingParams(self.temperature, self.top_k, self.top_p)  # validates the sampling fields
+        # The engine's own checks (engine.decoding.limits), then what only the window has.
+        check_method(self.method, allow_auto=True)
+        check_int("K", self.k, 1, MAX_K)
+        check_int("max new tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
+        check_int("seed", self.seed, -1, MAX_SEED, note=" (-1: a fresh seed per message)")
+        check_device(self.device)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("cpu_kernels", self.cpu_kernels, CPU_KERNELS)
+        check_int("tree nodes", self.tree_budget, 0, MAX_TREE_BUDGET, note=" (0 = by device)")
+        check_text("the system prompt", self.system_prompt, MAX_SYSTEM_PROMPT)
+        check_choice("context overflow", self.context_overflow, OVERFLOW_POLICIES)
+        SamplingParams(self.temperature, self.top_k, self.top_p)
+        self.model_settings()  # the model sources
 
     def model_settings(self) -> ModelSettings:
         draft = self.draft.strip() or None
@@ -354,6 +355,11 @@ class SettingsDialog(QDialog):
         self.system_prompt.setPlaceholderText("Empty: the model's own default (from its chat template)")
         self.system_prompt.setToolTip("Sent before every conversation's messages, from the next message on")
         self.system_prompt.setFixedHeight(58)
+        self.context_overflow = QComboBox()
+        for name in OVERFLOW_POLICIES:
+            self.context_overflow.addItem(OVERFLOW_LABELS[name], name)
+        self.context_overflow.setToolTip("What happens when a conversation no longer leaves the answer room in the "
+                                         "model's context. Dropping is shown in a banner when it happens.")
         self.tree_budget = QSpinBox(minimum=0, maximum=MAX_TREE_BUDGET)
         self.tree_budget.setSpecialValueText("auto (CPU: up to 4, as many as pay; GPU: 32)")
         self.tree_budget.setToolTip("Tokens the EAGLE and Medusa trees draft per step. Bigger trees are "
@@ -382,6 +388,7 @@ class SettingsDialog(QDialog):
         decoding_form.addRow("Seed", self.seed)
         decoding_form.addRow("Max new tokens", self.max_new_tokens)
         decoding_form.addRow("System prompt", self.system_prompt)
+        decoding_form.addRow("Context full", self.context_overflow)
 
         self.report = QPlainTextEdit(readOnly=True)
         self.report.setPlaceholderText("Press “Check pair” to load the models and see whether they fit.")
@@ -455,7 +462,10 @@ class SettingsDialog(QDialog):
         self.top_p.setValue(s.top_p)
         self.seed.setValue(s.seed)
         self.max_new_tokens.setValue(s.max_new_tokens)
+        if self.device.findText(s.device) < 0:  # cuda:N from settings.toml
+            self.device.addItem(s.device)
         self.device.setCurrentText(s.device)
+        self.context_overflow.setCurrentIndex(max(0, self.context_overflow.findData(s.context_overflow)))
         self.dtype.setCurrentText(s.dtype)
         self.cpu_kernels.setCurrentIndex(max(0, self.cpu_kernels.findData(s.cpu_kernels)))
         self.tree_budget.setValue(s.tree_budget)
@@ -484,6 +494,7 @@ class SettingsDialog(QDialog):
             adaptive_k=self.adaptive_k.isChecked(),
             tree_budget=self.tree_budget.value(),
             system_prompt=self.system_prompt.toPlainText().strip(),
+            context_overflow=self.context_overflow.currentData(),
         )
 
     def show_report(self, ok: bool | None, lines: tuple[str, ...] | list[str]) -> None:

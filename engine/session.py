@@ -18,6 +18,17 @@ from safetensors import SafetensorError
 from speclens.engine.decoding.decode import GenerationConfig, generate
 from speclens.engine.decoding.drafter import Drafter, StepCost
 from speclens.engine.decoding.events import Event
+from speclens.engine.decoding.limits import (
+    DTYPES,
+    MAX_TREE_BUDGET,
+    OVERFLOW_POLICIES,
+    SettingError,
+    check_choice,
+    check_device,
+    check_int,
+    check_text,
+)
+from speclens.engine.decoding.prompt import Fitted, PromptError, clean_text, fit_ids, fit_turns
 from speclens.engine.decoding.tree import CHAIN_PATHS, DEFAULT_TREE_PATHS, TreeDrafter, TreeShape
 from speclens.engine.drafters.datastore import Datastore, DatastoreDrafter, is_datastore
 from speclens.engine.drafters.draft_model import DraftModelDrafter
@@ -26,6 +37,7 @@ from speclens.engine.drafters.trees import DraftModelTreeDrafter, LookupGraftedD
 from speclens.engine.runtime.cache import CachedModel
 from speclens.engine.runtime.cpu_kernels import native_kernel_of
 from speclens.engine.runtime.models import (
+    CPU_KERNELS,
     DEFAULT_MODEL,
     CompatReport,
     LoadedModel,
@@ -48,7 +60,7 @@ PREFERENCE = ("eagle_lookup", "eagle", "medusa", "tree", "draft", "lookup", "ar"
 # What loading a corrupt or mismatched weights file raises (safetensors has its own error type).
 UNREADABLE_WEIGHTS = (OSError, RuntimeError, KeyError, ValueError, SafetensorError)
 
-MAX_TREE_BUDGET = 128  # the head's draft-tree nodes per step (eagle_lookup's grafted chains come on top)
+MAX_SOURCE_CHARS = 4096  # a model's source: a path or a hub id
 
 
 class EngineError(RuntimeError):
@@ -66,6 +78,25 @@ class ModelSettings:
     offload: bool = False
     cpu_kernels: str = "auto"  # runtime.models.CPU_KERNELS: auto | integer | native | packed | stock
     tree_budget: int | None = None  # draft-tree nodes for the head methods; None: by device (tree_budget)
+
+    def __post_init__(self) -> None:  # the same checks wherever the settings come from (limits)
+        check_text("target", self.target, MAX_SOURCE_CHARS)
+        if not self.target.strip():
+            raise SettingError("target must name a model: 'default', a folder, a .gguf file or a hub id")
+        if self.draft is not None:
+            check_text("draft", self.draft, MAX_SOURCE_CHARS)
+        if not isinstance(self.heads, tuple):
+            raise SettingError(f"heads must be a tuple of folders, got {self.heads!r}")
+        for folder in self.heads:
+            check_text("drafter folder", folder, MAX_SOURCE_CHARS)
+        check_device(self.device)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("cpu_kernels", self.cpu_kernels, CPU_KERNELS)
+        for name in ("trust_remote_code", "offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise SettingError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.tree_budget is not None:
+            check_int("tree budget", self.tree_budget, 1, MAX_TREE_BUDGET, note=" nodes")
 
 
 class Engine:
@@ -174,7 +205,30 @@ class Engine:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def encode_text(self, prompt: str) -> list[int]:
-        return self.target.tokenizer(prompt)["input_ids"]
+        return self.target.tokenizer(clean_text(prompt)[0])["input_ids"]
+
+    @property
+    def context_length(self) -> int | None:
+        """Tokens the target's context holds (None where its config does not say)."""
+        return self.target_lm.context_length
+
+    def fit_chat(self, messages: list[dict[str, str]], max_new_tokens: int, policy: str = "stop") -> Fitted:
+        """`messages` encoded to leave the answer room in the context, by the overflow policy
+        (limits.OVERFLOW_POLICIES); EngineError when it refuses. Invalid text becomes U+FFFD."""
+        check_choice("context overflow policy", policy, OVERFLOW_POLICIES)
+        messages = [{**m, "content": clean_text(m["content"])[0]} for m in messages]
+        try:
+            return fit_turns(messages, self.encode_chat, self.context_length, max_new_tokens, policy)
+        except PromptError as exc:
+            raise EngineError(str(exc)) from exc
+
+    def fit_text(self, prompt: str, max_new_tokens: int, policy: str = "stop") -> Fitted:
+        """A plain-text prompt's ids, made to fit as fit_chat does (drop_oldest keeps the newest tokens)."""
+        check_choice("context overflow policy", policy, OVERFLOW_POLICIES)
+        try:
+            return fit_ids(self.encode_text(prompt), self.context_length, max_new_tokens, policy)
+        except PromptError as exc:
+            raise EngineError(str(exc)) from exc
 
     def chat(
         self, messages: list[dict[str, str]], config: GenerationConfig, cancel: threading.Event | None = None
@@ -311,8 +365,7 @@ def tree_budget(device: torch.device, asked: int | None = None) -> int:
     the highest tau (the shipped heads' cards); budgets 1..6 ran within noise of each other for
     eagle_lookup (1.19-1.25x plain in one interleaved run on the Spec-Bench dev prompts, two cores)."""
     if asked is not None:
-        if not 1 <= asked <= MAX_TREE_BUDGET:
-            raise EngineError(f"the tree budget must be 1..{MAX_TREE_BUDGET} nodes, got {asked}")
+        check_int("tree budget", asked, 1, MAX_TREE_BUDGET, note=" nodes")
         return asked
     return 4 if device.type == "cpu" else 32
 

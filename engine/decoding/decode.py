@@ -16,6 +16,15 @@ import torch
 
 from speclens.engine.decoding.drafter import Drafter
 from speclens.engine.decoding.events import Event, Source, StepEvent, Summary, TokenEvent
+from speclens.engine.decoding.limits import (
+    MAX_K,
+    MAX_NEW_TOKENS,
+    MAX_SEED,
+    MAX_STOP_STRINGS,
+    SettingError,
+    check_int,
+    check_method_name,
+)
 from speclens.engine.decoding.sampling import SamplingParams
 from speclens.engine.decoding.step import speculative_step
 from speclens.engine.decoding.tree import TreeDrafter, tree_step
@@ -34,10 +43,19 @@ class GenerationConfig:
     adaptive_k: bool = False  # adapt the draft length between 1 and k from observed acceptance
 
     def __post_init__(self) -> None:
-        if not 1 <= self.k <= 64:
-            raise ValueError(f"draft length k must be in 1..64, got {self.k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check_method_name(self.method)
+        check_int("draft length k", self.k, 1, MAX_K)
+        check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
+        if self.seed is not None:
+            check_int("seed", self.seed, 0, MAX_SEED)
+        if not isinstance(self.sampling, SamplingParams):
+            raise SettingError(f"sampling must be SamplingParams, got {self.sampling!r}")
+        if not isinstance(self.stop_strings, tuple) or len(self.stop_strings) > MAX_STOP_STRINGS or not all(
+                isinstance(s, str) and s for s in self.stop_strings):
+            raise SettingError(f"stop strings must be a tuple of at most {MAX_STOP_STRINGS} non-empty texts, "
+                               f"got {self.stop_strings!r}")
+        if not isinstance(self.adaptive_k, bool):
+            raise SettingError(f"adaptive_k must be true or false, got {self.adaptive_k!r}")
 
 
 def next_draft_length(k: int, drafted: int, accepted: int, k_max: int) -> int:
@@ -84,11 +102,15 @@ def generate(
 
     # a tree drafter's k is the tree depth; both steps return the same StepResult
     step_with_drafter = tree_step if isinstance(drafter, TreeDrafter) else speculative_step
+    def cancelled() -> bool:
+        return cancel is not None and cancel.is_set()
+
     start = time.perf_counter()
-    target.prefill(ids)
-    if drafter:
+    # in chunks, asking `cancelled` between them: Stop and Ctrl-C answer within a chunk on a long prompt
+    if target.prefill(ids, stop=cancelled) and drafter and not cancelled():
         drafter.prefill(ids)
     prefill_s = time.perf_counter() - start
+    limit = target.context_length
 
     new_ids: list[int] = []
     text = ""
@@ -101,11 +123,17 @@ def generate(
     draft_length = config.k
     done = False
     while not done:
-        if cancel is not None and cancel.is_set():
+        if cancelled():
             stop_reason = "cancelled"
             break
-        # never draft past max_new_tokens: the step emits up to k + 1 tokens (grafted chains excepted)
+        if limit is not None and len(ids) >= limit:  # past it the model's positions mean nothing
+            stop_reason = "context_full"
+            break
+        # never draft past max_new_tokens or the context: the step emits up to k + 1 tokens (grafted
+        # chains excepted)
         k = min(draft_length, config.max_new_tokens - len(new_ids) - 1)
+        if limit is not None:
+            k = min(k, limit - len(ids) - 1)
         if k > 0 and drafter is not None:
             step = step_with_drafter(target, drafter, ids, k, params, generator)
         else:
@@ -135,6 +163,8 @@ def generate(
                 stop_reason, done = "stop_string", True
             elif len(new_ids) >= config.max_new_tokens:
                 stop_reason, done = "max_new_tokens", True
+            elif limit is not None and len(ids) >= limit:
+                stop_reason, done = "context_full", True
             if done:
                 break
         step_drafted, step_accepted = step.drafted, step.accepted

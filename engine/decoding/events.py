@@ -75,7 +75,7 @@ class Summary:
     tokens_per_s: float
     elapsed_s: float
     prefill_s: float
-    stop_reason: Literal["eos", "stop_string", "max_new_tokens", "cancelled"]
+    stop_reason: Literal["eos", "stop_string", "max_new_tokens", "cancelled", "context_full"]
     text: str
     token_ids: tuple[int, ...] = field(repr=False, default=())
     # emitted accepted draft tokens per proposer, most first (`accepted` also counts a step's

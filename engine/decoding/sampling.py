@@ -12,9 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-MAX_TEMPERATURE = 100.0  # beyond it the distribution is uniform noise to float32; inf and NaN are refused
-MAX_REPETITION_PENALTY = 100.0
+from speclens.engine.decoding.limits import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MAX_TOP_K, check_float, check_int
 
 
 @dataclass(frozen=True)
@@ -25,15 +23,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 means off (CTRL-style: divide positive logits, multiply negative)
 
     def __post_init__(self) -> None:
-        # `not (a <= x <= b)` rather than `x < a`: NaN fails every comparison, so it is refused too
-        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
-            raise ValueError(f"temperature must be in 0..{MAX_TEMPERATURE:g} (0 is greedy), got {self.temperature}")
-        if not 0 <= self.top_k:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
+        check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE, note=" (0 is greedy)")
+        check_int("top_k", self.top_k, 0, MAX_TOP_K, note=" (0 is off)")
+        check_float("top_p", self.top_p, 0.0, 1.0, low_open=True, note=" (1 is off)")
+        check_float("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, low_open=True,
+                    note=" (1 is off)")
 
     @property
     def greedy(self) -> bool:

@@ -42,11 +42,18 @@ def stderr_progress(message: str, fraction: float | None) -> None:
     print(f"\r{message}{suffix}", end="\n" if fraction in (None, 1.0) else "", file=sys.stderr, flush=True)
 
 
-def load_engine(args: argparse.Namespace):
-    from speclens.engine.session import Engine, EngineError, ModelSettings
+def model_settings(args: argparse.Namespace):
+    """The model arguments as a checked ModelSettings (limits.SettingError: the command exits 2 before loading)."""
+    from speclens.engine.session import ModelSettings
 
-    settings = ModelSettings(args.target, args.draft, tuple(args.drafter), args.device, args.dtype,
-                             args.trust_remote_code, args.offload, args.cpu_kernels, args.tree_budget)
+    return ModelSettings(args.target, args.draft, tuple(args.drafter), args.device, args.dtype,
+                         args.trust_remote_code, args.offload, args.cpu_kernels, args.tree_budget)
+
+
+def load_engine(args: argparse.Namespace):
+    from speclens.engine.session import Engine, EngineError
+
+    settings = model_settings(args)
     try:
         return Engine.load(settings, stderr_progress)
     except EngineError as exc:

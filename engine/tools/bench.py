@@ -32,6 +32,7 @@ import torch
 
 from speclens.engine.decoding.decode import GenerationConfig
 from speclens.engine.decoding.events import StepEvent, Summary
+from speclens.engine.decoding.limits import KNOWN_METHODS, SettingError
 from speclens.engine.decoding.sampling import SamplingParams
 from speclens.engine.runtime.attention import is_native_attention
 from speclens.engine.runtime.cache import sync
@@ -567,6 +568,10 @@ def cmd_bench(args: argparse.Namespace, engine_factory: Callable | None = None) 
             threads="auto" if args.threads == "auto" else int(args.threads),
         )
         GenerationConfig(k=options.k, max_new_tokens=options.max_new_tokens)  # validates both
+        unknown = [m for m in options.methods or () if m not in (*KNOWN_METHODS, *HF_METHODS, LLAMA_CPP)]
+        if unknown:  # said before loading; which known ones this pair offers is said after
+            raise SettingError(f"--methods: unknown {', '.join(unknown)}; known: "
+                               f"{', '.join((*KNOWN_METHODS, *HF_METHODS, LLAMA_CPP))}")
         if isinstance(options.threads, int) and not 1 <= options.threads <= 1024:
             raise ValueError(f"--threads must be a number of threads from 1, or auto, got {options.threads}")
         if options.num_prompts is not None and options.num_prompts < 1:

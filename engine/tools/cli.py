@@ -7,8 +7,17 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
-from speclens.engine.tools.args import add_model_arguments, add_sampling_arguments, load_engine, stderr_progress
+from speclens.engine.decoding.limits import DRAFT_MODEL_METHODS, OVERFLOW_POLICIES, SettingError, check_method
+from speclens.engine.decoding.prompt import clean_text, decode_bytes, replaced_warning
+from speclens.engine.tools.args import (
+    add_model_arguments,
+    add_sampling_arguments,
+    load_engine,
+    model_settings,
+    stderr_progress,
+)
 
 SUBCOMMANDS = ("generate", "bench", "selftest", "doctor", "train-drafter")
 
@@ -36,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default="", help="with --chat: a system prompt before the user's turn")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--jsonl", action="store_true", help="one JSON object per token, then a summary")
+    gen.add_argument("--context-overflow", default="stop", choices=OVERFLOW_POLICIES,
+                     help="a prompt that leaves the answer no room in the model's context: stop with a message, or "
+                          "drop the oldest turns (with --chat; the system prompt stays) or tokens")
 
     st = sub.add_parser("selftest", help="statistical exactness tests and a greedy-equality check")
     add_model_arguments(st)
@@ -73,6 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         handler = cmd_bench
     try:
         return handler(args)
+    except SettingError as exc:  # raised by the configs' own checks, before any model loads
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
@@ -84,34 +99,54 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from speclens.engine.decoding.sampling import SamplingParams
     from speclens.engine.session import EngineError
 
-    if args.method in ("draft", "tree") and not args.draft:
+    # Everything that can be checked without the model is checked first: a mistake costs no load.
+    if args.method is not None:
+        check_method(args.method)
+    if args.method in DRAFT_MODEL_METHODS and not args.draft:
         print(f"error: --method {args.method} needs --draft MODEL", file=sys.stderr)
         return 2
     if args.system and not args.chat:
         print("error: --system needs --chat (a system prompt is part of the chat template)", file=sys.stderr)
         return 2
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    config = GenerationConfig(
+        method=args.method or "ar", k=args.k, max_new_tokens=args.max_new_tokens, seed=args.seed,
+        stop_strings=tuple(args.stop),
+        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty),
+    )
+    model_settings(args)
+    if args.prompt is not None:
+        prompt, replaced = clean_text(args.prompt)
+        where = "--prompt"
+    else:
+        prompt, replaced = decode_bytes(sys.stdin.buffer.read())
+        where = "standard input"
+    if replaced:
+        print(replaced_warning(replaced, where), file=sys.stderr)
+    if not prompt.strip():
+        print("error: the prompt is empty (give the text with --prompt or on standard input)", file=sys.stderr)
+        return 2
+    system, _ = clean_text(args.system)
+
     engine = load_engine(args)
     method = args.method or ("draft" if args.draft else engine.default_method)
     if method not in engine.methods:
         print(f"error: method {method!r} is not available; the loaded models offer {', '.join(engine.methods)}",
               file=sys.stderr)
         return 2
+    config = replace(config, method=method)
+    turns = [{"role": "system", "content": system}] if system else []
     try:
-        config = GenerationConfig(
-            method=method, k=args.k, max_new_tokens=args.max_new_tokens, seed=args.seed,
-            stop_strings=tuple(args.stop),
-            sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty),
-        )
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    try:
-        ids = engine.encode_chat([*system, {"role": "user", "content": prompt}]) if args.chat else engine.encode_text(prompt)
+        if args.chat:
+            fitted = engine.fit_chat([*turns, {"role": "user", "content": prompt}], config.max_new_tokens,
+                                     args.context_overflow)
+        else:
+            fitted = engine.fit_text(prompt, config.max_new_tokens, args.context_overflow)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if fitted.notice:
+        print(f"note: {fitted.notice}", file=sys.stderr)
+    ids = list(fitted.ids)
     colour = sys.stdout.isatty() or not args.jsonl
     for event in engine.generate_ids(ids, config):
         if isinstance(event, TokenEvent):

@@ -6,10 +6,12 @@ since the last save.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sqlite3
 import time
+import unicodedata
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -99,13 +101,40 @@ def _open(target: Path | str) -> sqlite3.Connection:
 
 
 def _move_aside(path: Path) -> Path:
-    """Rename an unreadable database (and its WAL files) out of the way, keeping it for recovery."""
-    target = path.with_name(f"{path.name}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
+    """Rename an unreadable database (and its WAL files) out of the way, keeping it for recovery. The new
+    name is one no file has (a counter follows the time when needed): nothing kept is overwritten."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in itertools.count(1):
+        target = path.with_name(f"{path.name}.unreadable-{stamp}" + (f"-{n}" if n > 1 else ""))
+        if not any(Path(f"{target}{suffix}").exists() for suffix in ("", "-wal", "-shm")):
+            break
     for suffix in ("", "-wal", "-shm"):
         part = Path(f"{path}{suffix}")
         if part.exists():
             part.rename(f"{target}{suffix}")
     return target
+
+
+def _check_writable(db: sqlite3.Connection) -> None:
+    """sqlite3.OperationalError when nothing can be written (a read-only file opens and reads fine, and
+    would only fail at the first Send): a write that is rolled back."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        db.execute("INSERT INTO conversations (title, created, updated) VALUES ('', 0, 0)")
+    finally:
+        db.execute("ROLLBACK")
+
+
+MAX_FILE_STEM = 80  # characters of an exported file's suggested name
+
+
+def export_file_name(title: str, suffix: str) -> str:
+    """A file name made from a conversation's title, safe to offer in a save dialog: no path separators,
+    NUL or other control characters, no leading dots or spaces (no hidden file, no `..`), at most
+    MAX_FILE_STEM characters before `.suffix`; "chat" when nothing is left."""
+    stem = "".join(" " if ch in '/\\:*?"<>|' or unicodedata.category(ch)[0] == "C" else ch for ch in title)
+    stem = " ".join(stem.split()).lstrip(". ").rstrip(". ")[:MAX_FILE_STEM].rstrip(". ")
+    return f"{stem or 'chat'}.{suffix}"
 
 
 class HistoryStore:
@@ -126,13 +155,31 @@ class HistoryStore:
         except sqlite3.DatabaseError:
             self.moved_aside = _move_aside(self.path)
             self._db = _open(self.path)
+        try:
+            _check_writable(self._db)
+        except sqlite3.Error:
+            self._db.close()
+            raise
 
     @classmethod
-    def in_memory(cls) -> HistoryStore:
-        """A history for this session only, for when the file cannot be opened (path None)."""
+    def in_memory(cls, copy_of: Path | None = None) -> HistoryStore:
+        """A history for this session only (path None), for when the file cannot be opened or written;
+        with `copy_of`, it starts as a copy of that file where it can still be read, so the earlier chats
+        stay on screen (the file itself is never written)."""
         store = cls.__new__(cls)
         store.path, store.moved_aside = None, None
         store._db = _open(":memory:")
+        if copy_of is not None and copy_of.exists():
+            try:
+                source = sqlite3.connect(f"{copy_of.resolve().as_uri()}?mode=ro", uri=True, timeout=LOCK_TIMEOUT_S)
+                try:
+                    source.backup(store._db)
+                finally:
+                    source.close()
+                store._db.executescript(SCHEMA)
+            except sqlite3.Error:  # not even readable: an empty history
+                store._db.close()
+                store._db = _open(":memory:")
         return store
 
     def close(self) -> None:

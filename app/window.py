@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer, Signal
+from PySide6.QtCore import QByteArray, QSettings, QStandardPaths, Qt, QTimer, Signal
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -33,11 +33,19 @@ from superqt.utils import qthrottled
 
 from speclens.app.chat_view import ChatView, Legend, Message
 from speclens.app.compare import ComparePanel, CompareResult
-from speclens.app.history import HistoryStore
+from speclens.app.history import HistoryStore, data_dir, export_file_name
 from speclens.app.plots import StepPlots, summary_text
 from speclens.app.selftest_view import SelftestDialog
 from speclens.app.settings import AppSettings, SettingsDialog, SettingsStore, config_dir, method_label
-from speclens.app.worker import SELFTEST_TRIALS, EngineFactory, GenerateRequest, LoadInfo, SelftestRequest, WorkerThread
+from speclens.app.worker import (
+    SELFTEST_TRIALS,
+    ContextUse,
+    EngineFactory,
+    GenerateRequest,
+    LoadInfo,
+    SelftestRequest,
+    WorkerThread,
+)
 from speclens.engine.decoding.events import StepEvent, Summary, TokenEvent
 from speclens.engine.tools.selftest import ChainVerifier, SelftestReport
 
@@ -72,6 +80,7 @@ class _Answer:
     summary: Summary | None = None
     error: str = ""
     saved_tokens: int = -1
+    prompt_tokens: int | None = None  # as sent, after the overflow policy (ContextUse)
 
 
 class MainWindow(QMainWindow):
@@ -107,6 +116,7 @@ class MainWindow(QMainWindow):
         self._selftest: SelftestRequest | None = None
         self.selftest_dialog: SelftestDialog | None = None
         self._closing = False
+        self._context_length: int | None = None  # the loaded target's, once a prompt reported it
 
         self._build_ui()
         problems = [history_problem] if history_problem else []
@@ -165,6 +175,13 @@ class MainWindow(QMainWindow):
             " border-radius: 6px; padding: 6px 10px; }"
         )
         self.error_banner.hide()
+        self.notice_banner = QLabel()  # what the context-overflow policy did to the last prompt
+        self.notice_banner.setWordWrap(True)
+        self.notice_banner.setStyleSheet(
+            "QLabel { background: #fff8e1; color: #6b4e00; border: 1px solid #f3d98b;"
+            " border-radius: 6px; padding: 6px 10px; }"
+        )
+        self.notice_banner.hide()
         self.input = PromptEdit()
         self.input.setPlaceholderText("Message the model — Enter sends, Shift+Enter for a new line")
         self.input.setFixedHeight(78)
@@ -189,6 +206,7 @@ class MainWindow(QMainWindow):
         chat_layout.setContentsMargins(10, 10, 10, 10)
         chat_layout.addLayout(legend_row)
         chat_layout.addWidget(self.chat, 1)
+        chat_layout.addWidget(self.notice_banner)
         chat_layout.addWidget(self.error_banner)
         chat_layout.addLayout(input_row)
 
@@ -224,7 +242,10 @@ class MainWindow(QMainWindow):
         self.progress.hide()
         bar = self.statusBar()
         bar.addWidget(self.progress)
-        for label in (self.status_model, self.status_method, self.status_k, self.status_speed):
+        self.status_context = QLabel("")  # the conversation's tokens against the model's context
+        self.status_context.setToolTip("Tokens of this conversation (system prompt, turns, the last answer) "
+                                       "against the tokens the model's context holds")
+        for label in (self.status_model, self.status_method, self.status_k, self.status_context, self.status_speed):
             label.setContentsMargins(8, 0, 8, 0)
             bar.addPermanentWidget(label)
 
@@ -255,6 +276,7 @@ class MainWindow(QMainWindow):
         w.tokens.connect(self._on_tokens)
         w.step.connect(self._on_step)
         w.summary.connect(self._on_summary)
+        w.context_use.connect(self._on_context_use)
         w.error.connect(self._on_error)
         w.finished.connect(self._on_finished)
         w.selftest_progress.connect(self._on_selftest_progress)
@@ -311,11 +333,13 @@ class MainWindow(QMainWindow):
     def _start_answer(self, snapshot: AppSettings, meta: str, message_id: int) -> None:
         """Generate an answer to the transcript as it stands, into stored message `message_id`."""
         context = snapshot.conversation(model_context(self.chat.messages))
-        request = self.worker.new_request(snapshot.model_settings(), context, snapshot.generation_config())
+        request = self.worker.new_request(snapshot.model_settings(), context, snapshot.generation_config(),
+                                          overflow=snapshot.context_overflow)
         self._answer = _Answer(request, message_id, snapshot, [], [])
         self.chat.begin_answer(meta + " · generating…")
         self.plots.clear()
         self.error_banner.hide()
+        self.notice_banner.hide()
         self._set_busy(True)
         self._autosave.start()
         self.worker.request_generate.emit(request)
@@ -470,6 +494,22 @@ class MainWindow(QMainWindow):
         if self._mine(rid):
             self._answer.summary = summary
 
+    def _on_context_use(self, rid: int, use: ContextUse) -> None:
+        if not self._mine(rid):
+            return
+        self._answer.prompt_tokens = use.tokens
+        self._context_length = use.context
+        self._show_context(use.tokens)
+        if use.notice:
+            self.notice_banner.setText(use.notice)
+            self.notice_banner.show()
+
+    def _show_context(self, tokens: int) -> None:
+        if self._context_length:
+            self.status_context.setText(f"context {tokens:,} / {self._context_length:,}")
+        else:
+            self.status_context.setText(f"context {tokens:,} tokens")
+
     def _on_error(self, rid: int, message: str) -> None:
         if self._mine(rid):
             self._answer.error = message
@@ -500,6 +540,8 @@ class MainWindow(QMainWindow):
         self._answer_steps[len(self.chat.messages) - 1] = (tuple(answer.steps), caption)
         if answer.steps:
             self._measured = (tuple(answer.steps), f"the last answer ({meta})")
+        if answer.prompt_tokens is not None:
+            self._show_context(answer.prompt_tokens + len(answer.tokens))
         if answer.summary:
             self.plots.set_summary(answer.summary)
             self.status_speed.setText(f"{answer.summary.tokens_per_s:.1f} tok/s")
@@ -668,14 +710,35 @@ class MainWindow(QMainWindow):
 
     def _export(self, cid: int, kind: str) -> None:
         suffix = {"md": "Markdown (*.md)", "json": "JSON (*.json)"}[kind]
-        default = f"{_title_from(self.history.title(cid))}.{kind}"
-        path, _ = QFileDialog.getSaveFileName(self, "Export conversation", default, suffix)
+        try:
+            title = self.history.title(cid)
+        except sqlite3.Error as exc:
+            self.show_error(f"Could not read this chat from the history ({exc}).")
+            return
+        # a name only (the title is the user's text: no separators), in the last export folder or Documents
+        default = self._export_folder() / export_file_name(title, kind)
+        path, _ = QFileDialog.getSaveFileName(self, "Export conversation", str(default), suffix)
         if path:
-            try:
-                text = self.history.export_markdown(cid) if kind == "md" else self.history.export_json(cid)
-                Path(path).write_text(text, encoding="utf-8")
-            except (sqlite3.Error, OSError) as exc:
-                self.show_error(f"Could not export the chat to {path}: {exc}")
+            self.export_to(cid, kind, Path(path))
+
+    def export_to(self, cid: int, kind: str, path: Path) -> bool:
+        """Write the conversation to `path` (the user chose it); any failure is a banner, not a crash."""
+        try:
+            text = self.history.export_markdown(cid) if kind == "md" else self.history.export_json(cid)
+            path.write_text(text, encoding="utf-8")
+        except (sqlite3.Error, OSError, ValueError) as exc:
+            self.show_error(f"Could not export the chat to {path}: {exc}")
+            return False
+        self._qsettings().setValue("export_folder", str(path.parent))
+        self.statusBar().showMessage(f"Exported to {path}", 5000)
+        return True
+
+    def _export_folder(self) -> Path:
+        last = self._qsettings().value("export_folder")
+        if isinstance(last, str) and last and Path(last).is_dir():
+            return Path(last)
+        documents = QStandardPaths.writableLocation(QStandardPaths.StandardLocation.DocumentsLocation)
+        return Path(documents) if documents and Path(documents).is_dir() else Path.home()
 
     def _qsettings(self) -> QSettings:
         return QSettings(str(config_dir() / "window.ini"), QSettings.Format.IniFormat)
@@ -713,11 +776,14 @@ class MainWindow(QMainWindow):
 
 def _open_history() -> tuple[HistoryStore, str]:
     """The history file, and what to tell the user when it could not be used as it was."""
+    path = data_dir() / "history.sqlite3"
     try:
-        store = HistoryStore()
+        store = HistoryStore(path)
     except (sqlite3.Error, OSError) as exc:
-        return HistoryStore.in_memory(), (f"The chat history could not be opened ({exc}); this session's chats "
-                                          "are kept only until SpecLens closes.")
+        store = HistoryStore.in_memory(copy_of=path)
+        earlier = " The earlier chats are shown from a copy." if store.conversations() else ""
+        return store, (f"The chat history could not be opened for writing ({exc}; {path}): this session's chats "
+                       f"are kept only until SpecLens closes.{earlier}")
     if store.moved_aside is not None:
         return store, (f"The chat history file could not be read, so a new one was started; the old file "
                        f"was kept as {store.moved_aside}.")

@@ -55,10 +55,20 @@ class GenerateRequest:
     config: GenerationConfig
     id: int  # from EngineWorker.new_request, unique per worker
     tag: str = "chat"
+    overflow: str = "stop"  # limits.OVERFLOW_POLICIES: what a conversation past the model's context does
     cancel: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
 
     def message_dicts(self) -> list[dict[str, str]]:
         return [{"role": role, "content": content} for role, content in self.messages]
+
+
+@dataclass(frozen=True)
+class ContextUse:
+    """How much of the model's context a request's prompt takes, and what the overflow policy did."""
+
+    tokens: int  # the prompt as sent (after any dropped turns)
+    context: int | None  # the model's context length (None: unknown)
+    notice: str | None = None  # one line for the user when turns were dropped
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,7 @@ class EngineWorker(QObject):
     tokens = Signal(int, object)  # request id, tuple[TokenEvent, ...] of one verification step
     step = Signal(int, object)  # request id, StepEvent
     summary = Signal(int, object)  # request id, Summary
+    context_use = Signal(int, object)  # request id, ContextUse: before the first token
     error = Signal(int, str)  # request id, message
     finished = Signal(int)  # request id; always the last signal of a request
     selftest_progress = Signal(int, str, object)  # request id, message, fraction or None
@@ -117,9 +128,10 @@ class EngineWorker(QObject):
         return next(self._ids)
 
     def new_request(
-        self, model: ModelSettings, messages: tuple[tuple[str, str], ...], config: GenerationConfig, tag: str = "chat"
+        self, model: ModelSettings, messages: tuple[tuple[str, str], ...], config: GenerationConfig, tag: str = "chat",
+        overflow: str = "stop",
     ) -> GenerateRequest:
-        return GenerateRequest(model, messages, config, self.next_id(), tag)
+        return GenerateRequest(model, messages, config, self.next_id(), tag, overflow)
 
     @Slot(object)
     def load(self, settings: ModelSettings) -> None:
@@ -188,7 +200,9 @@ class EngineWorker(QObject):
         config = request.config
         if config.method == AUTO_METHOD:
             config = dataclasses.replace(config, method=engine.default_method)
-        for event in engine.chat(request.message_dicts(), config, request.cancel):
+        fitted = engine.fit_chat(request.message_dicts(), config.max_new_tokens, request.overflow)
+        self.context_use.emit(request.id, ContextUse(fitted.tokens, fitted.context, fitted.notice))
+        for event in engine.generate_ids(list(fitted.ids), config, request.cancel):
             if isinstance(event, TokenEvent):
                 batch.append(event)
                 continue

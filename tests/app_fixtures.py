@@ -34,7 +34,10 @@ class SlowEngine:
         return getattr(self._engine, name)
 
     def chat(self, messages, config, cancel=None) -> Iterator:
-        for event in self._engine.chat(messages, config, cancel):
+        return self.generate_ids(self._engine.encode_chat(messages), config, cancel)
+
+    def generate_ids(self, ids, config, cancel=None) -> Iterator:
+        for event in self._engine.generate_ids(ids, config, cancel):
             if isinstance(event, StepEvent):
                 if cancel is not None and cancel.is_set():
                     self.steps_after_cancel += 1

@@ -146,13 +146,13 @@ def test_multi_turn_sends_the_whole_conversation(qtbot, make_window):
 
     def recording_factory(settings, progress):
         engine = tiny_factory()(settings, progress)
-        original = engine.chat
+        original = engine.fit_chat
 
-        def chat(messages, config, cancel=None):
+        def fit_chat(messages, max_new_tokens, policy="stop"):
             seen.append(list(messages))
-            return original(messages, config, cancel)
+            return original(messages, max_new_tokens, policy)
 
-        engine.chat = chat
+        engine.fit_chat = fit_chat
         return engine
 
     window = make_window(recording_factory)

@@ -93,32 +93,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def preflight_generate(args: argparse.Namespace):
+    """The generation config of a `generate` command, and its model settings checked, before any model
+    loads (the method, if named, is resolved to an available one after). SettingError otherwise."""
     from speclens.engine.decoding.decode import GenerationConfig
-    from speclens.engine.decoding.events import Summary, TokenEvent
     from speclens.engine.decoding.sampling import SamplingParams
-    from speclens.engine.session import EngineError
 
-    # Everything that can be checked without the model is checked first: a mistake costs no load.
     if args.method is not None:
         check_method(args.method)
     if args.method in DRAFT_MODEL_METHODS and not args.draft:
-        print(f"error: --method {args.method} needs --draft MODEL", file=sys.stderr)
-        return 2
+        raise SettingError(f"--method {args.method} needs --draft MODEL")
     if args.system and not args.chat:
-        print("error: --system needs --chat (a system prompt is part of the chat template)", file=sys.stderr)
-        return 2
+        raise SettingError("--system needs --chat (a system prompt is part of the chat template)")
     config = GenerationConfig(
         method=args.method or "ar", k=args.k, max_new_tokens=args.max_new_tokens, seed=args.seed,
         stop_strings=tuple(args.stop),
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty),
     )
     model_settings(args)
+    return config
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from speclens.engine.decoding.events import Summary, TokenEvent
+    from speclens.engine.session import EngineError
+
+    config = preflight_generate(args)  # a mistake costs no model load
     if args.prompt is not None:
         prompt, replaced = clean_text(args.prompt)
         where = "--prompt"
     else:
-        prompt, replaced = decode_bytes(sys.stdin.buffer.read())
+        stdin = getattr(sys.stdin, "buffer", None)  # bytes, so that the invalid-bytes policy is ours
+        prompt, replaced = decode_bytes(stdin.read()) if stdin is not None else clean_text(sys.stdin.read())
         where = "standard input"
     if replaced:
         print(replaced_warning(replaced, where), file=sys.stderr)
@@ -164,6 +170,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             else:
                 print()
                 print_summary(record)
+            if event.stop_reason == "context_full":
+                print(f"note: the model's context of {engine.context_length:,} tokens is full: the answer stops here",
+                      file=sys.stderr)
     return 0
 
 

@@ -12,6 +12,7 @@ import asyncio
 import gc
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -127,6 +128,22 @@ def main(argv: Sequence[str] | None = None, engine_factory: EngineFactory | None
         gc.enable()
 
 
+def _close_on_ctrl_c(window: MainWindow) -> list[int]:
+    """Ctrl-C in the terminal closes the window as its close button does (the answer in progress is
+    saved, the model thread stopped) instead of raising inside a Qt slot. Python runs the handler at its
+    next bytecode on the GUI thread, which the garbage collector's one-second timer guarantees. The
+    returned list gets the signal number when it fired."""
+    fired: list[int] = []
+
+    def on_sigint(signum, _frame) -> None:
+        fired.append(signum)
+        window.close()
+        QApplication.quit()
+
+    signal.signal(signal.SIGINT, on_sigint)
+    return fired
+
+
 def _run(app: QApplication, store: SettingsStore, settings, args: argparse.Namespace,
          engine_factory: EngineFactory | None) -> int:
     loop = qasync.QEventLoop(app)
@@ -153,8 +170,11 @@ def _run(app: QApplication, store: SettingsStore, settings, args: argparse.Names
         else:
             quitting = asyncio.Event()
             app.aboutToQuit.connect(quitting.set)
+            interrupted = _close_on_ctrl_c(window)
             loop.run_until_complete(quitting.wait())
-            code = 0
+            code = 130 if interrupted else 0
+            if interrupted:
+                print("\ninterrupted", file=sys.stderr)
     if window.engine_thread_running():
         # closed during a model load that cannot be interrupted: the window has saved everything, and
         # destroying a running QThread would abort the process, so leave it now without finalising

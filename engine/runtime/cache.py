@@ -20,7 +20,7 @@ from speclens.engine.runtime.masks import node_depths, tree_attention
 
 # Tokens per prefill forward: a 10k-token prompt then answers Stop and Ctrl-C between chunks (about
 # 0.4 s each for the default model on 2 cores), and the attention's scores stay [chunk, context].
-PREFILL_CHUNK = 256
+PREFILL_CHUNK = 128
 
 
 class AppendLayer(DynamicLayer):

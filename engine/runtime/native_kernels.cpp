@@ -1213,13 +1213,17 @@ void move_rows(const std::vector<torch::Tensor>& buffers, const std::vector<int6
 std::string isa() { return kIsa; }
 std::string integer_isa() { return kIntegerIsa; }
 
+// The compute calls let go of the GIL (they touch no Python object): the window's GUI thread keeps drawing
+// while the model thread runs a long prefill chunk, and a Stop is seen at once.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using no_gil = py::call_guard<py::gil_scoped_release>;
   m.def("pack", &pack, "float32 weight [N, K] -> panels [P, K, 16] in float32 or bfloat16",
-        py::arg("weight"), py::arg("bfloat16") = false);
-  m.def("linear", &linear, "x [..., K] @ W^T (+ bias) from packed panels");
-  m.def("attention", &attention, "batch-invariant attention of q [T, H, D] over k, v [G, S, D]");
-  m.def("decoder", &decoder, "a Llama decoder stack, its final norm and LM head, on these kernels");
-  m.def("move_rows", &move_rows, "move KV cache rows towards the start in every buffer [B, G, capacity, D]");
+        py::arg("weight"), py::arg("bfloat16") = false, no_gil());
+  m.def("linear", &linear, "x [..., K] @ W^T (+ bias) from packed panels", no_gil());
+  m.def("attention", &attention, "batch-invariant attention of q [T, H, D] over k, v [G, S, D]", no_gil());
+  m.def("decoder", &decoder, "a Llama decoder stack, its final norm and LM head, on these kernels", no_gil());
+  m.def("move_rows", &move_rows, "move KV cache rows towards the start in every buffer [B, G, capacity, D]",
+        no_gil());
   m.def("isa", &isa, "the instruction set this build uses");
   m.def("integer_isa", &integer_isa, "the instruction set of the integer (Q8 activation) kernels");
 }

@@ -286,3 +286,19 @@ def test_ctrl_c_at_start_up_exits_130_without_a_traceback(delay_s, model_folder)
 def test_setting_error_is_a_value_error():  # callers that caught ValueError keep working
     assert issubclass(SettingError, ValueError) and set(KNOWN_METHODS) >= {"ar", "lookup", "eagle_lookup"}
     assert isinstance(build_parser(), argparse.ArgumentParser)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["train-drafter", "--kind", "eagle", "--prompts", "p.jsonl", "--out", "o", "--epochs", "-1"], "--epochs must be"),
+    (["train-drafter", "--kind", "eagle", "--prompts", "p.jsonl", "--out", "o", "--lr", "nan"], "--lr must be"),
+    (["train-drafter", "--kind", "medusa", "--prompts", "p.jsonl", "--out", "o", "--batch-size", "0"],
+     "--batch-size must be"),
+    (["train-drafter", "--kind", "eagle", "--prompts", "/no/such/prompts.jsonl", "--out", "o"], "prompts.jsonl"),
+    (["selftest", "--trials", "0"], "--trials must be in"),
+])
+def test_the_other_commands_refuse_bad_values_in_one_line(argv, words, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("speclens.engine.tools.cli.load_engine", lambda args: pytest.fail("loaded"))
+    assert main(argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and words in errors[0], errors

@@ -9,7 +9,13 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from speclens.engine.decoding.limits import DRAFT_MODEL_METHODS, OVERFLOW_POLICIES, SettingError, check_method
+from speclens.engine.decoding.limits import (
+    DRAFT_MODEL_METHODS,
+    OVERFLOW_POLICIES,
+    SettingError,
+    check_int,
+    check_method,
+)
 from speclens.engine.decoding.prompt import clean_text, decode_bytes, replaced_warning
 from speclens.engine.tools.args import (
     add_model_arguments,
@@ -213,6 +219,7 @@ def print_summary(record: dict) -> None:
 def cmd_selftest(args: argparse.Namespace) -> int:
     from speclens.engine.tools.selftest import run_selftest
 
+    check_int("--trials", args.trials, 1, 100_000_000)
     engine = None if args.skip_model else load_engine(args)
     report = run_selftest(engine, trials=args.trials, progress=stderr_progress)
     for line in report.lines:

@@ -12,10 +12,22 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from speclens.engine.decoding.limits import MAX_TEMPERATURE, SettingError, check_choice, check_float, check_int
+
 # The kinds --kind accepts: the trained heads (one module each, listed in registry.py) and the
 # datastore, which stores answers and trains nothing. Kept here, not imported from the registry,
 # so that parsing the command line stays free of the heads' modules.
 KINDS = ("eagle", "medusa", "datastore")
+
+# The whole-number and real options and what each accepts (TrainOptions.__post_init__).
+_INT_RANGES = (
+    ("self_prompts", 0, 10_000_000), ("max_prompts", 1, 100_000_000), ("held_out", 0, 100_000),
+    ("answer_tokens", 1, 32_768), ("sampled_answers", 0, 64), ("batch_size", 1, 65_536), ("epochs", 0, 10_000),
+    ("tokens_per_step", 1, 10_000_000), ("unroll", 1, 16), ("draft_vocab", 0, 10_000_000), ("medusa_heads", 1, 16),
+    ("medusa_layers", 1, 16), ("medusa_tree_nodes", 1, 1024), ("depth", 1, 64), ("top_k", 1, 1024),
+    ("budget", 1, 1024), ("chain", 1, 64), ("eval_tokens", 0, 32_768), ("threads", 1, 1024), ("seed", 0, 2**63 - 1),
+)
+_FLOAT_RANGES = (("feature_noise", 0.0, 10.0), ("ce_weight", 0.0, 1000.0))
 
 
 @dataclass(frozen=True)
@@ -64,6 +76,19 @@ class TrainOptions:
     dtype: str = "float32"
     device: str = "auto"  # where distillation and training run (auto: a CUDA GPU if there is one, else the CPU)
     evaluate_only: bool = False  # measure tau of the head already in OUT and rewrite its card (no training)
+
+    def __post_init__(self) -> None:  # refused before any model loads, one line each (limits)
+        check_choice("--kind", self.kind, KINDS)
+        for name, low, high in _INT_RANGES:
+            check_int(f"--{name.replace('_', '-')}", getattr(self, name), low, high)
+        for name, low, high in _FLOAT_RANGES:
+            check_float(f"--{name.replace('_', '-')}", getattr(self, name), low, high)
+        check_float("--lr", self.lr, 0.0, 1.0, low_open=True)
+        check_float("--self-prompt-temperature", self.self_prompt_temperature, 0.0, MAX_TEMPERATURE, low_open=True)
+        for t in self.sample_temperatures:
+            check_float("--sample-temperatures", t, 0.0, MAX_TEMPERATURE)
+        if not self.sample_temperatures:
+            raise SettingError("--sample-temperatures needs at least one temperature")
 
     @property
     def data_path(self) -> Path:

@@ -137,7 +137,11 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
              if f not in ("kind", "target", "prompts", "out", "extra_data", "shards")]
     options = TrainOptions(kind=args.kind, target=args.target, prompts=tuple(args.prompts), out=args.out,
                            extra_data=tuple(args.extra_data), shards=tuple(args.shards), **{name: getattr(args, name) for name in names if name != "dtype"})
-    result = run(options)
+    try:
+        result = run(options)
+    except (OSError, ValueError) as exc:  # a missing prompts file, benchmark prompts, a damaged shard, ...
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if options.distil_only:
         print(f"distilled {result['distilled']} sequences -> {result['data']}", file=sys.stderr)
         for path in result["shards"]:

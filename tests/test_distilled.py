@@ -97,8 +97,9 @@ def test_train_drafter_writes_shards_and_trains_on_every_shard(tmp_path):
     first = shard_paths([shards])
     assert len(first) == 1
     rows, meta = read_shard(first[0])
-    distilled = torch.load(tmp_path / "d1" / "distilled.pt", weights_only=True)
-    assert len(rows) == len(distilled) == 12
+    distilled = torch.load(tmp_path / "d1" / "distilled-ids.pt", weights_only=True)  # ids only: no features
+    assert len(rows) == len(distilled) == 12 and "features" not in distilled[0]
+    assert not (tmp_path / "d1" / "distilled.pt").exists()
     assert sorted(r.temperature for r in rows) == [0.0] * 6 + [pytest.approx(0.9)] * 6
     assert {r.tokens for r in rows} == {tuple(s["tokens"].tolist()) for s in distilled}
     assert "--distil-only" in meta["command"] and "--shards data/distilled/shards" in meta["command"]
@@ -123,3 +124,36 @@ def test_features_recomputed_from_a_shard_equal_the_distilled_ones(tmp_path):
         with torch.inference_mode():
             fresh = model(input_ids=torch.tensor([seq.tokens]), output_hidden_states=True).hidden_states[-1][0]
         torch.testing.assert_close(sample["features"].float(), fresh, atol=0.05, rtol=0.02)
+
+
+def test_a_distillation_stopped_midway_keeps_its_answers_in_shards(tmp_path, monkeypatch):
+    from speclens.engine.tools.cli import main
+    from speclens.engine.tools.train import distil
+
+    model_dir = tmp_path / "tiny-target"
+    tiny_model(seed=0).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"instruction": f"Count to {i}."}) for i in range(8)))
+    monkeypatch.setattr(distil, "IDS_SAVE_EVERY_S", 0.0)  # save after every batch
+    real_batch, calls = distil._distil_batch, []
+
+    def killed_after_two(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2:
+            raise KeyboardInterrupt  # Ctrl-C, or the session ending
+        return real_batch(*args, **kwargs)
+
+    monkeypatch.setattr(distil, "_distil_batch", killed_after_two)
+    shards = tmp_path / "shards"
+    argv = ["train-drafter", "--kind", "eagle", "--target", str(model_dir), "--prompts", str(prompts),
+            "--answer-tokens", "4", "--batch-size", "2", "--shards", str(shards), "--out", str(tmp_path / "run"),
+            "--held-out", "0", "--distil-only"]
+    assert main(argv) == 130
+    (shard,) = shard_paths([shards])
+    rows, _ = read_shard(shard)
+    assert len(rows) == 4  # the two batches that finished
+    monkeypatch.setattr(distil, "_distil_batch", real_batch)
+    assert main(argv) == 0  # a rerun resumes, and its shard then holds all eight
+    (shard,) = shard_paths([shards])
+    assert len(read_shard(shard)[0]) == 8

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from speclens.engine.tools.train.options import TrainOptions
 
 SAVE_EVERY_S = 300.0  # distilled data is saved at most this often (and after the last batch)
+IDS_SAVE_EVERY_S = 60.0  # token ids alone (and the shards made from them) are small: saved more often
 
 
 def user_turn_prefix(tokenizer) -> list[int]:
@@ -103,13 +105,20 @@ def sample_rows(p: torch.Tensor, generator) -> torch.Tensor:
     return torch.searchsorted(p.cumsum(-1), u)[:, 0].clamp(max=p.shape[-1] - 1)
 
 
-def distil(model, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], options: TrainOptions) -> list[dict]:
+def distil(model, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], options: TrainOptions,
+           on_save: Callable[[list[dict]], object] | None = None, features: bool = True) -> list[dict]:
     """[{"prompt", "variant", "tokens" [T] long, "features" [T, H] bf16, "answer_start"}], one per
-    (prompt, variant); variant 0 is the greedy answer, 1.. are sampled ones. Resumable per batch."""
+    (prompt, variant); variant 0 is the greedy answer, 1.. are sampled ones. Resumable per batch.
+
+    `on_save(done)` runs at every save (the token-id shards then grow with the run, so a run stopped at
+    any moment keeps its answers). features=False keeps token ids alone (a data-gathering run: training
+    recomputes features from the shards), in their own file beside the data file, saved every
+    IDS_SAVE_EVERY_S."""
     import torch
     from tqdm import tqdm
 
-    path = options.data_path
+    path = options.data_path if features else options.data_path.with_name(options.data_path.stem + "-ids.pt")
+    every = SAVE_EVERY_S if features else IDS_SAVE_EVERY_S
     done: list[dict] = torch.load(path, weights_only=True) if path.exists() else []
     have = {(int(s["prompt"]), int(s["variant"])) for s in done}
     batches = []  # (variant, [(prompt length, prompt index)]): one decoding mode per batch
@@ -121,14 +130,18 @@ def distil(model, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], options
     for n, (variant, batch) in enumerate(bar, start=1):
         start = time.perf_counter()
         temperature = variant_temperature(options, variant) or None  # None: greedy
-        rows = _distil_batch(model, [prompt_ids[i] for _, i in batch], eos_ids, options, temperature)
+        rows = _distil_batch(model, [prompt_ids[i] for _, i in batch], eos_ids, options, temperature, features)
         for (_, i), row in zip(batch, rows):
             done.append({"prompt": torch.tensor(i), "variant": torch.tensor(variant), **row})
         # The whole file is rewritten each time, so on a fast GPU saving after every batch would
         # cost more than distilling; a killed run loses at most SAVE_EVERY_S of work.
-        if n == len(batches) or time.perf_counter() - saved > SAVE_EVERY_S:
+        if n == len(batches) or time.perf_counter() - saved > every:
             path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(done, path)
+            tmp = path.with_suffix(".tmp")
+            torch.save(done, tmp)
+            tmp.replace(path)  # a run killed while saving keeps the previous file whole
+            if on_save is not None:
+                on_save(done)
             saved = time.perf_counter()
         new = sum(int(r["tokens"].shape[0] - r["answer_start"]) for r in rows)
         bar.set_postfix(answer_tok_per_s=f"{new / (time.perf_counter() - start):.0f}")
@@ -136,7 +149,7 @@ def distil(model, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], options
 
 
 def _distil_batch(model, prompts: list[list[int]], eos_ids: tuple[int, ...], options: TrainOptions,
-                  temperature: float | None) -> list[dict]:
+                  temperature: float | None, features: bool = True) -> list[dict]:
     """The target's answers to `prompts`: greedy, or sampled at `temperature`."""
     import torch
 
@@ -159,7 +172,11 @@ def _distil_batch(model, prompts: list[list[int]], eos_ids: tuple[int, ...], opt
         answer = out[row, width:].tolist()
         end = next((j + 1 for j, token in enumerate(answer) if token in eos_ids), len(answer))
         sequences.append(ids + answer[:end])
-    return _features(model, [tokens[:-1] for tokens in sequences], [len(ids) for ids in prompts], pad)
+    fed = [tokens[:-1] for tokens in sequences]  # the newest token is never fed (see _features)
+    if not features:
+        return [{"tokens": torch.tensor(tokens), "answer_start": torch.tensor(len(ids))}
+                for tokens, ids in zip(fed, prompts)]
+    return _features(model, fed, [len(ids) for ids in prompts], pad)
 
 
 def _features(model, sequences: list[list[int]], answer_starts: list[int], pad: int) -> list[dict]:

@@ -49,8 +49,15 @@ def run(options: TrainOptions) -> dict:
             teacher, tokenizer, options.self_prompts, engine.eos_ids, out / "self-prompts.jsonl",
             options.self_prompt_temperature, options.batch_size, seed=options.seed)
     encode = [engine.encode_chat([{"role": "user", "content": p}]) for p in train_prompts]
-    samples = distil(teacher, encode, engine.eos_ids, options)
     run_name = shard_run(options, engine.target.name)
+
+    def on_save(done: list[dict]) -> None:  # the shards grow with the run: a stopped run keeps its answers
+        save_shards(done, options, engine.target.name, run_name)
+
+    # A data-gathering run (distil only, into shards) keeps no features: training recomputes them.
+    ids_only = options.distil_only and bool(options.shards)
+    samples = distil(teacher, encode, engine.eos_ids, options, on_save if options.shards else None,
+                     features=not ids_only)
     written = save_shards(samples, options, engine.target.name, run_name) if options.shards else []
     if options.distil_only:
         return {"distilled": len(samples), "data": str(options.data_path), "shards": [str(p) for p in written]}

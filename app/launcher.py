@@ -20,6 +20,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             from speclens.engine.tools.cli import main as cli_main
 
             return cli_main(argv)
+        # Qt aborts, naming no library, when its platform plugin cannot load: check first, and say what to install
+        from speclens.engine.tools.display import check_platform, install_advice, no_display_reason
+
+        check = check_platform()
+        if not check.ok:
+            print(install_advice(check), file=sys.stderr)
+            return 1
+        if (reason := no_display_reason(check.platform)) is not None:
+            print(reason, file=sys.stderr)
+            return 1
         from speclens.app.main import main as app_main  # the window
 
         return app_main(argv)

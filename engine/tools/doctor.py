@@ -10,6 +10,8 @@ import sys
 
 import platformdirs
 
+from speclens.engine.tools.display import check_platform, install_advice, no_display_reason
+
 
 def _version(package: str) -> tuple[str, bool]:
     try:
@@ -22,6 +24,26 @@ def _version(package: str) -> tuple[str, bool]:
     except ImportError:
         return "not installed", False
     return str(getattr(module, "__version__", "bundled")), True
+
+
+# /proc/cpuinfo flag -> what SpecLens's kernels call it
+CPU_FLAGS = {"avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "avx512f": "AVX-512F", "avx512bw": "AVX-512BW",
+             "avx512_vnni": "AVX-512 VNNI", "avx_vnni": "AVX-VNNI", "avx512_bf16": "AVX-512 BF16",
+             "amx_tile": "AMX", "asimd": "NEON", "sve": "SVE"}
+
+
+def cpu_features() -> str:
+    """The vector features this CPU reports that matter to the kernels (Linux: /proc/cpuinfo)."""
+    try:
+        text = open("/proc/cpuinfo", encoding="utf-8", errors="replace").read()
+    except OSError:
+        return ""
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[1].split())
+            break
+    return ", ".join(name for flag, name in CPU_FLAGS.items() if flag in flags)
 
 
 def diagnose() -> list[tuple[str, str, bool]]:
@@ -58,6 +80,14 @@ def diagnose() -> list[tuple[str, str, bool]]:
         rows.append(("integer kernels", f"{build.integer}: --cpu-kernels auto runs Q4_1/Q8_0-style weights against "
                      "8-bit activations (--cpu-kernels native keeps float32)" if build.integer else
                      f"not used: {build.integer_message}; the float32 native kernels run", True))
+    rows.append(("cpu features", cpu_features() or "none of AVX2, AVX-512, VNNI, BF16, AMX reported", True))
+    check = check_platform()
+    if check.missing:  # a problem where a window could open; on a server without a display, a note
+        rows.append((f"qt platform {check.platform}", install_advice(check).replace("\n", " "),
+                     no_display_reason(check.platform) is not None))
+    else:
+        rows.append((f"qt platform {check.platform}", check.note or f"every library of {check.plugin.name} is present",
+                     True))
     rows.append(("model cache", str(cache_dir()), True))
     folder = default_model_dir()
     present = (folder / _COMPLETE).exists()

@@ -81,6 +81,7 @@ class ComparePane(QWidget):
         self.view = QTextBrowser()
         self.view.document().setDocumentMargin(12)
         self.tokens: list[TokenEvent] = []
+        self.first_token_s: float | None = None
         self.colours = True
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -91,6 +92,7 @@ class ComparePane(QWidget):
 
     def reset(self) -> None:
         self.tokens = []
+        self.first_token_s: float | None = None  # prefill and the first step: apart from the decoding rate
         self.view.clear()
         self.speed.setText("waiting…")
 
@@ -103,12 +105,17 @@ class ComparePane(QWidget):
         self.view.verticalScrollBar().setValue(self.view.verticalScrollBar().maximum())
 
     def show_step(self, step: StepEvent) -> None:
-        if step.elapsed_s > 0:
-            self.speed.setText(f"{step.new_tokens / step.elapsed_s:.1f} tok/s · {step.new_tokens} tokens")
+        if self.first_token_s is None:
+            self.first_token_s = step.elapsed_s
+        if step.decode_s > 0:  # decoding's own rate, from its first step (the prefill is not decoding)
+            self.speed.setText(f"{step.new_tokens / step.decode_s:.1f} tok/s · {step.new_tokens} tokens · "
+                               f"first token {self.first_token_s:.2f} s")
 
     def show_summary(self, summary: Summary) -> None:
+        first = f" · first token {self.first_token_s:.2f} s" if self.first_token_s is not None else ""
         self.speed.setText(
             f"{summary.tokens_per_s:.1f} tok/s · {summary.new_tokens} tokens · τ {summary.mean_accepted_length:.2f}"
+            f"{first}"
         )
 
     def mark(self, changed: frozenset[int]) -> None:

@@ -40,8 +40,10 @@ def step_series(events: Sequence[StepEvent], window: int = ROLLING_STEPS) -> Ste
         recent = events[max(0, i - window + 1) : i + 1]
         drafted = sum(r.drafted for r in recent)
         rolling.append(sum(r.accepted for r in recent) / drafted if drafted else nan)
+        # tokens over the last `window` steps' time, from the first decoding step on: the prefill is not
+        # decoding, and counting it made every answer's curve ramp up (time to first token is shown apart)
         before = events[i - window] if i >= window else None
-        dt = e.elapsed_s - (before.elapsed_s if before else 0.0)
+        dt = e.decode_s - (before.decode_s if before else 0.0)
         dn = e.new_tokens - (before.new_tokens if before else 0)
         rate.append(dn / dt if dt > 0 else nan)
         emitted_total += e.emitted

@@ -524,7 +524,7 @@ class MainWindow(QMainWindow):
         self._answer = None
         self._autosave.stop()
         text = "".join(t.text for t in answer.tokens)
-        meta = _meta_line(answer.settings, answer.summary)
+        meta = _meta_line(answer.settings, answer.summary, answer.steps)
         error = answer.error
         if answer.summary and answer.summary.stop_reason == "cancelled":
             error = error or "(stopped)"
@@ -808,7 +808,7 @@ def _title_from(text: str) -> str:
     return line if len(line) <= 48 else line[:47] + "…"
 
 
-def _meta_line(settings: AppSettings, summary: Summary | None) -> str:
+def _meta_line(settings: AppSettings, summary: Summary | None, steps: Sequence[StepEvent] = ()) -> str:
     # once answered, the method that ran ("auto" resolves to the loaded models' best)
     name = summary.method if summary is not None and summary.method else settings.method
     method = name if name == "ar" else f"{name}, K={settings.k}"
@@ -819,4 +819,6 @@ def _meta_line(settings: AppSettings, summary: Summary | None) -> str:
         parts += [f"{summary.new_tokens} tokens", f"{summary.tokens_per_s:.1f} tok/s"]
         if summary.steps:
             parts.append(f"τ {summary.mean_accepted_length:.2f}")
+        if steps:  # the first step emits the first token: prefill and that step, apart from the decoding rate
+            parts.append(f"first token {steps[0].elapsed_s:.2f} s")
     return " · ".join(parts)

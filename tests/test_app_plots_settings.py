@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -28,6 +29,18 @@ def test_step_series_statistics():
     assert s.mean_accepted_length[-1] == pytest.approx((5 + 2 + 1 + 1) / 4)
     assert s.tokens_per_s[0] == pytest.approx(10.0)
     assert s.tokens_per_s[3] == pytest.approx((9 - 7) / (2.5 - 1.0))
+
+
+def test_a_constant_step_rate_plots_as_a_flat_line_whatever_the_prefill():
+    # 2 s of prefill, then a step every 10 ms emitting 3 tokens: 300 tok/s from the very first step
+    prefill = 2.0
+    events = [StepEvent(i + 1, 4, 4, 2, 3, 0.004, 0.006, 3 * (i + 1), prefill + 0.01 * (i + 1), prefill_s=prefill)
+              for i in range(40)]
+    rates = step_series(events).tokens_per_s
+    assert rates == pytest.approx([300.0] * 40)
+    # the curve before this fix: measured from the request's start, the first 16 steps ramped up
+    ramped = step_series([replace(e, prefill_s=0.0) for e in events]).tokens_per_s
+    assert ramped[0] < 2 and ramped[15] < 300 * 0.5
 
 
 def test_diff_tokens_marks_changes():

@@ -192,6 +192,7 @@ def generate(
             new_tokens=len(new_ids),
             elapsed_s=time.perf_counter() - start,
             tree=step_with_drafter is tree_step,
+            prefill_s=prefill_s,
         )
 
     elapsed = time.perf_counter() - start

@@ -60,6 +60,12 @@ class StepEvent:
     # a token tree was verified (tree, eagle, eagle_lookup, medusa): the pass verified more tokens
     # than `drafted`, so the speedup advisor's chain model does not describe it
     tree: bool = False
+    prefill_s: float = 0.0  # the prompt's prefill, within elapsed_s: decoding began at this time
+
+    @property
+    def decode_s(self) -> float:
+        """Seconds since the first decoding step began (prefill left out)."""
+        return self.elapsed_s - self.prefill_s
 
 
 @dataclass(frozen=True)

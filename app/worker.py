@@ -149,7 +149,7 @@ class EngineWorker(QObject):
                 return
             engine = self._engine
             if needs_reload(self._engine_settings, request.model):
-                engine = self._load(request.model)
+                engine = self._load(request.model, request.cancel)  # Stop also stops a load (a download)
                 if isinstance(engine, str):
                     self.error.emit(request.id, f"Could not load the model: {engine}")
                     return
@@ -216,13 +216,14 @@ class EngineWorker(QObject):
         if batch:
             self.tokens.emit(request.id, tuple(batch))
 
-    def _load(self, settings: ModelSettings) -> Engine | str:
-        """The loaded engine, or the user-readable reason it could not be loaded."""
+    def _load(self, settings: ModelSettings, cancel: threading.Event | None = None) -> Engine | str:
+        """The loaded engine, or the user-readable reason it could not be loaded. The loader's progress
+        reports stop it when the app closes or `cancel` is set (a download then keeps its part to resume)."""
         self._engine = None  # free the old models before loading new ones
         self._engine_settings = None
 
         def progress(message: str, fraction: float | None) -> None:
-            if self.closing.is_set():
+            if self.closing.is_set() or (cancel is not None and cancel.is_set()):
                 raise _Closing
             self.progress.emit(message, fraction)
 
@@ -231,6 +232,9 @@ class EngineWorker(QObject):
         except Exception as exc:
             if self.closing.is_set():
                 return "the app is closing"  # _Closing, or whatever a loader made of it: nobody waits
+            if cancel is not None and cancel.is_set():
+                self.load_failed.emit("Stopped while loading (a download resumes where it stopped next time).")
+                return "stopped while loading; a download resumes where it stopped next time"
             if isinstance(exc, EngineError):
                 message = str(exc)
             else:

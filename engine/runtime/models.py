@@ -23,6 +23,7 @@ import torch
 
 from speclens.engine.runtime.attention import use_grouped_attention, use_native_attention
 from speclens.engine.runtime.cpu_kernels import pack_model
+from speclens.engine.runtime.hub import HubError, fetch_model
 from speclens.engine.runtime.native_kernels import native_build, native_module, use_native_linears
 from speclens.engine.runtime.paths import cache_dir
 
@@ -219,7 +220,13 @@ def load_model(source: str, options: LoadOptions = LoadOptions(), progress: Prog
     elif path.exists():
         raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file.")
     elif source.count("/") == 1 and not source.startswith((".", "/", "~")):
-        folder, extra = source, {"local_files_only": _offline()}
+        if _offline():
+            folder, extra = source, {"local_files_only": True}
+        else:  # sized first, then downloaded with bytes, rate and time left (resumable; progress may stop it)
+            try:
+                folder, extra = fetch_model(source, device, dtype, progress), {}
+            except HubError as exc:
+                raise ModelLoadError(str(exc)) from exc
     else:
         raise ModelLoadError(f"No model at {source!r}: give a folder, a .gguf file or a hub id like org/name.")
 

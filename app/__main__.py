@@ -1,5 +1,3 @@
-import sys
+from speclens.app.launcher import entry
 
-from speclens.app.launcher import main
-
-sys.exit(main())
+entry()

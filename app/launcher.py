@@ -5,6 +5,8 @@ It lives in the app, the top layer, because it reaches both: the engine never im
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -38,5 +40,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The `speclens` console script. An interrupted run leaves with status 130 at once: CPython kills
+    itself with SIGINT at exit (status -2, whatever caught the interrupt) when Ctrl-C landed while an
+    extension ran Python code during an import. Once main() has returned, a late Ctrl-C is ignored,
+    so the status is main()'s."""
+    code = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

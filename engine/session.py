@@ -365,7 +365,10 @@ def tree_budget(device: torch.device, asked: int | None = None) -> int:
     the highest tau (the shipped heads' cards); budgets 1..6 ran within noise of each other for
     eagle_lookup (1.19-1.25x plain in one interleaved run on the Spec-Bench dev prompts, two cores)."""
     if asked is not None:
-        check_int("tree budget", asked, 1, MAX_TREE_BUDGET, note=" nodes")
+        try:
+            check_int("tree budget", asked, 1, MAX_TREE_BUDGET, note=" nodes")
+        except SettingError as exc:
+            raise EngineError(str(exc)) from exc
         return asked
     return 4 if device.type == "cpu" else 32
 

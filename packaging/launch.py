@@ -1,8 +1,6 @@
 """Entry script of the frozen bundle: the same dispatch as the `speclens` command."""
 
-import sys
-
-from speclens.app.launcher import main
+from speclens.app.launcher import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

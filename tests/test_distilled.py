@@ -103,13 +103,19 @@ def test_train_drafter_writes_shards_and_trains_on_every_shard(tmp_path):
     assert sorted(r.temperature for r in rows) == [0.0] * 6 + [pytest.approx(0.9)] * 6
     assert {r.tokens for r in rows} == {tuple(s["tokens"].tolist()) for s in distilled}
     assert "--distil-only" in meta["command"] and "--shards data/distilled/shards" in meta["command"]
-    # a training run on other settings adds its own shard and trains on both runs' sequences
+    # a training run on other prompts adds its own shard and trains on both runs' sequences
+    other = tmp_path / "other.jsonl"
+    other.write_text("\n".join(json.dumps({"instruction": f"Name {i} colours."}) for i in range(5)))
     out = tmp_path / "head"
-    assert main(base + ["--out", str(out), "--held-out", "2", "--max-prompts", "3", "--epochs", "1",
-                        "--eval-tokens", "0", "--seed", "5"]) == 0
+    argv = [other if a == str(prompts) else a for a in base]
+    assert main([str(a) for a in argv] + ["--out", str(out), "--held-out", "2", "--epochs", "1", "--eval-tokens", "0",
+                                          "--seed", "5"]) == 0
     assert len(shard_paths([shards])) == 2
     record = json.loads((out / "training.json").read_text())
     assert record["run"]["n_samples"] == [3, 12]  # its own 3 answers + the 12 of the first run's shard
+    # a rerun of the first prompts with another seed makes no greedy answer the shards already hold
+    assert main(base + ["--out", str(tmp_path / "d2"), "--held-out", "0", "--seed", "9", "--distil-only"]) == 0
+    assert len(shard_paths([shards])) == 2 and len(read_shard(first[0])[0]) == 12
 
 
 def test_features_recomputed_from_a_shard_equal_the_distilled_ones(tmp_path):

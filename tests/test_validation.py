@@ -272,7 +272,7 @@ def test_engine_api_cleans_invalid_text_and_checks_the_policy():
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGINT") or os.name != "posix", reason="POSIX signals")
-@pytest.mark.parametrize("delay_s", [0.3, 1.5])
+@pytest.mark.parametrize("delay_s", [0.3, 1.0, 1.5, 2.0, 2.5])
 def test_ctrl_c_at_start_up_exits_130_without_a_traceback(delay_s, model_folder):
     proc = subprocess.Popen([sys.executable, "-m", "speclens.app", "generate", "--target", str(model_folder),
                              "--prompt", "hi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)

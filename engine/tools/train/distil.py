@@ -106,14 +106,16 @@ def sample_rows(p: torch.Tensor, generator) -> torch.Tensor:
 
 
 def distil(model, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], options: TrainOptions,
-           on_save: Callable[[list[dict]], object] | None = None, features: bool = True) -> list[dict]:
+           on_save: Callable[[list[dict]], object] | None = None, features: bool = True,
+           have_greedy: frozenset[tuple[int, ...]] = frozenset()) -> list[dict]:
     """[{"prompt", "variant", "tokens" [T] long, "features" [T, H] bf16, "answer_start"}], one per
     (prompt, variant); variant 0 is the greedy answer, 1.. are sampled ones. Resumable per batch.
 
     `on_save(done)` runs at every save (the token-id shards then grow with the run, so a run stopped at
     any moment keeps its answers). features=False keeps token ids alone (a data-gathering run: training
     recomputes features from the shards), in their own file beside the data file, saved every
-    IDS_SAVE_EVERY_S."""
+    IDS_SAVE_EVERY_S. Prompts in `have_greedy` (other runs' shards hold their greedy answer) get no greedy
+    answer again: every run adds new data."""
     import torch
     from tqdm import tqdm
 
@@ -123,7 +125,8 @@ def distil(model, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], options
     have = {(int(s["prompt"]), int(s["variant"])) for s in done}
     batches = []  # (variant, [(prompt length, prompt index)]): one decoding mode per batch
     for variant in range(1 + options.sampled_answers):
-        todo = sorted((len(ids), i) for i, ids in enumerate(prompt_ids) if (i, variant) not in have)  # little padding
+        todo = sorted((len(ids), i) for i, ids in enumerate(prompt_ids)  # sorted by length: little padding
+                      if (i, variant) not in have and not (variant == 0 and tuple(ids) in have_greedy))
         batches += [(variant, todo[s : s + options.batch_size]) for s in range(0, len(todo), options.batch_size)]
     bar = tqdm(batches, desc="distil (target answers + features)")
     saved = time.perf_counter()

@@ -56,8 +56,14 @@ def run(options: TrainOptions) -> dict:
 
     # A data-gathering run (distil only, into shards) keeps no features: training recomputes them.
     ids_only = options.distil_only and bool(options.shards)
+    have_greedy: frozenset[tuple[int, ...]] = frozenset()
+    if options.shards:  # greedy answers other runs already hold are not made again
+        from speclens.engine.tools.train.shards import read_all
+
+        held, _ = read_all(options.shards, target=engine.target.name, skip_run=run_name)
+        have_greedy = frozenset(s.tokens[: s.answer_start] for s in held if s.temperature == 0)
     samples = distil(teacher, encode, engine.eos_ids, options, on_save if options.shards else None,
-                     features=not ids_only)
+                     features=not ids_only, have_greedy=have_greedy)
     written = save_shards(samples, options, engine.target.name, run_name) if options.shards else []
     if options.distil_only:
         return {"distilled": len(samples), "data": str(options.data_path), "shards": [str(p) for p in written]}

@@ -78,6 +78,8 @@ async def run_headless(
     except asyncio.TimeoutError:
         print(f"speclens: no answer within {timeout:g} s", file=sys.stderr)
         return 3
+    while compare and window.compare.replaying:  # the race is replayed at the measured pace (at most ~20 s)
+        await asyncio.sleep(0.1)
     await asyncio.sleep(0.3)  # let the plots timer and layout catch up before grabbing
     if screenshot is not None:
         screenshot.parent.mkdir(parents=True, exist_ok=True)

@@ -88,6 +88,7 @@ CPU_KERNEL_LABELS = {  # the engine's CPU_KERNELS, as the dialog names them
 }
 MAX_SEED = 2**31 - 1  # what the dialog's spin box holds
 MAX_SYSTEM_PROMPT = 20_000  # characters
+MAX_COMPARE_RUNS = 9
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class AppSettings:
     system_prompt: str = ""  # sent before every conversation's turns; empty = the chat template's own default
     # a conversation past the model's context: drop its oldest turns (said in a banner), or stop with a message
     context_overflow: str = "drop_oldest"
+    compare_runs: int = 3  # the Compare tab's pairs of runs (interleaved plain / speculative); figures are medians
 
     def __post_init__(self) -> None:
         for f in fields(self):  # a hand-edited file can hold any TOML type
@@ -127,6 +129,7 @@ class AppSettings:
         check_int("tree nodes", self.tree_budget, 0, MAX_TREE_BUDGET, note=" (0 = by device)")
         check_text("the system prompt", self.system_prompt, MAX_SYSTEM_PROMPT)
         check_choice("context overflow", self.context_overflow, OVERFLOW_POLICIES)
+        check_int("compare runs", self.compare_runs, 1, MAX_COMPARE_RUNS)
         SamplingParams(self.temperature, self.top_k, self.top_p)
         self.model_settings()  # the model sources
 
@@ -360,6 +363,9 @@ class SettingsDialog(QDialog):
             self.context_overflow.addItem(OVERFLOW_LABELS[name], name)
         self.context_overflow.setToolTip("What happens when a conversation no longer leaves the answer room in the "
                                          "model's context. Dropping is shown in a banner when it happens.")
+        self.compare_runs = QSpinBox(minimum=1, maximum=MAX_COMPARE_RUNS)
+        self.compare_runs.setToolTip("Runs of each side the Compare tab times, interleaved plain / speculative; it "
+                                     "reports the medians and races the median runs")
         self.tree_budget = QSpinBox(minimum=0, maximum=MAX_TREE_BUDGET)
         self.tree_budget.setSpecialValueText("auto (CPU: up to 4, as many as pay; GPU: 32)")
         self.tree_budget.setToolTip("Tokens the EAGLE and Medusa trees draft per step. Bigger trees are "
@@ -389,6 +395,7 @@ class SettingsDialog(QDialog):
         decoding_form.addRow("Max new tokens", self.max_new_tokens)
         decoding_form.addRow("System prompt", self.system_prompt)
         decoding_form.addRow("Context full", self.context_overflow)
+        decoding_form.addRow("Compare runs", self.compare_runs)
 
         self.report = QPlainTextEdit(readOnly=True)
         self.report.setPlaceholderText("Press “Check pair” to load the models and see whether they fit.")
@@ -466,6 +473,7 @@ class SettingsDialog(QDialog):
             self.device.addItem(s.device)
         self.device.setCurrentText(s.device)
         self.context_overflow.setCurrentIndex(max(0, self.context_overflow.findData(s.context_overflow)))
+        self.compare_runs.setValue(s.compare_runs)
         self.dtype.setCurrentText(s.dtype)
         self.cpu_kernels.setCurrentIndex(max(0, self.cpu_kernels.findData(s.cpu_kernels)))
         self.tree_budget.setValue(s.tree_budget)
@@ -495,6 +503,7 @@ class SettingsDialog(QDialog):
             tree_budget=self.tree_budget.value(),
             system_prompt=self.system_prompt.toPlainText().strip(),
             context_overflow=self.context_overflow.currentData(),
+            compare_runs=self.compare_runs.value(),
         )
 
     def show_report(self, ok: bool | None, lines: tuple[str, ...] | list[str]) -> None:

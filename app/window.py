@@ -213,7 +213,6 @@ class MainWindow(QMainWindow):
         self.compare = ComparePanel(self.worker)
         self.compare.set_settings(self.settings)
         self.compare.started.connect(self._on_compare_started)
-        self.compare.speculative_step.connect(self._on_compare_step)
         self.compare.finished.connect(self._on_compare_finished)
         self.tabs = QTabWidget()
         self.tabs.setDocumentMode(True)
@@ -554,10 +553,6 @@ class MainWindow(QMainWindow):
         if not self.busy:  # the chat answer in flight owns the plots
             self.plots.clear()
             self.plots.set_caption(caption)
-
-    def _on_compare_step(self, step: StepEvent) -> None:
-        if not self.busy:
-            self.plots.add_steps((step,))
 
     def _on_compare_finished(self, result: CompareResult) -> None:
         if result.speculative_steps:

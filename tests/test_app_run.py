@@ -25,6 +25,7 @@ def _compare(qtbot, window, settings: AppSettings, prompt: str = "Count: one two
     window.apply_settings(settings)
     with qtbot.waitSignal(window.compare.finished, timeout=60_000) as blocker:
         window.run_compare(prompt)
+    window.compare.finish_replay()  # the race's end, at once
     return blocker.args[0]
 
 
@@ -54,6 +55,40 @@ def test_compare_fills_both_panes_and_reports_identical_at_temperature_zero(qtbo
     assert "draft" in window.plots.summary.text()
 
 
+def test_compare_times_interleaved_runs_quietly_then_races_the_median_ones(qtbot, make_window):
+    window = make_window(tiny_factory(step_delay_s=0.01))
+    window.apply_settings(AppSettings(method="draft", draft="tiny", k=3, temperature=0.0, max_new_tokens=24,
+                                      compare_runs=3))
+    sent = record_requests(window)
+    compare = window.compare
+    drawn_while_timed = []
+    with qtbot.waitSignal(compare.finished, timeout=60_000) as blocker:
+        window.run_compare("Count: one two three")
+        qtbot.waitUntil(lambda: len(compare.left.tokens) >= 3, timeout=30_000)
+        drawn_while_timed.append(compare.left.view.toPlainText() + compare.right.view.toPlainText())
+    result = blocker.args[0]
+    assert drawn_while_timed == [""]  # no text is drawn while a run is timed
+    assert [r.config.method for r in sent] == ["ar", "draft"] * 3  # interleaved pairs
+    assert result.runs == 3 and len(result.speedups) == 3 and result.diff.identical
+    assert "median of 3 runs each" in compare.result.text() and "first token" in compare.result.text()
+    # the race: tokens appear when the step that made them ended, on one clock for both sides
+    assert compare.replaying
+    base, spec = compare._chosen
+    t = spec.steps[len(spec.steps) // 2].elapsed_s
+    compare._replay.stop()
+    compare._show_at(t)
+    made_by_t = [tok for tok in spec.tokens if next(s.elapsed_s for s in spec.steps if s.step == tok.step) <= t]
+    assert compare.right.tokens == made_by_t and 0 < len(made_by_t) < len(spec.tokens)
+    assert compare.right.speed.text().startswith(f"{t:.2f} s · ")
+    compare.finish_replay()
+    assert compare.left.tokens == base.tokens and compare.right.tokens == spec.tokens
+    assert compare.left.view.toPlainText() == compare.right.view.toPlainText() != ""
+    assert compare.right.speed.text().startswith("✓ ") and "first token" in compare.right.speed.text()
+    assert result.speedup == pytest.approx(spec.summary.tokens_per_s / base.summary.tokens_per_s)
+    rates = sorted(r.summary.tokens_per_s for r in compare._runs.values() if r.side == "plain")
+    assert base.summary.tokens_per_s == rates[1]  # the median run
+
+
 def test_compare_gives_no_chain_prediction_for_a_tree_method(qtbot, make_window):
     window = make_window(tiny_factory())
     result = _compare(qtbot, window, AppSettings(method="tree", draft="tiny", k=3, temperature=0.0, max_new_tokens=20))
@@ -78,7 +113,7 @@ def test_the_system_prompt_opens_every_chat_and_comparison(qtbot, make_window):
     sent = record_requests(window)
     send_and_wait(qtbot, window, "one two")
     send_and_wait(qtbot, window, "three")
-    _compare(qtbot, window, replace(window.settings, system_prompt="Be brief."), "four")
+    _compare(qtbot, window, replace(window.settings, system_prompt="Be brief.", compare_runs=1), "four")
     system = [r.messages[0] for r in sent]
     assert system == [("system", "Answer in French.")] * 2 + [("system", "Be brief.")] * 2
     assert [role for role, _ in sent[1].messages] == ["system", "user", "assistant", "user"]

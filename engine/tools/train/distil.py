@@ -128,7 +128,7 @@ def distil(model, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], options
         todo = sorted((len(ids), i) for i, ids in enumerate(prompt_ids)  # sorted by length: little padding
                       if (i, variant) not in have and not (variant == 0 and tuple(ids) in have_greedy))
         batches += [(variant, todo[s : s + options.batch_size]) for s in range(0, len(todo), options.batch_size)]
-    bar = tqdm(batches, desc="distil (target answers + features)")
+    bar = tqdm(batches, desc="distil (target answers + features)" if features else "distil (target answers)")
     saved = time.perf_counter()
     for n, (variant, batch) in enumerate(bar, start=1):
         start = time.perf_counter()

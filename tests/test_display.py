@@ -68,3 +68,13 @@ def test_the_platform_qt_picks(monkeypatch):
     monkeypatch.delenv("QT_QPA_PLATFORM")
     monkeypatch.setenv("DISPLAY", ":1")
     assert display.qt_platform() == "xcb"
+
+
+def test_an_invalid_platform_is_said_instead_of_qt_aborting(tmp_path):
+    """The failure forced for real: the launcher in a fresh process, with a platform Qt does not have."""
+    env = {**__import__("os").environ, "QT_QPA_PLATFORM": "nonexistent", "SPECLENS_CONFIG_DIR": str(tmp_path),
+           "SPECLENS_DATA_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-m", "speclens.app"], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr  # not Qt's abort (SIGABRT, -6)
+    assert "Qt has no platform plugin 'nonexistent'" in run.stderr and "offscreen" in run.stderr
+    assert "Traceback" not in run.stderr and "could not load the Qt platform plugin" not in run.stderr.lower()

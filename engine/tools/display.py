@@ -52,9 +52,11 @@ class PlatformCheck:
     missing: tuple[str, ...] = ()  # libraries the loader does not find
     note: str = ""  # why nothing was checked, when nothing was
 
+    available: tuple[str, ...] = ()  # the platform plugins installed, when the asked one is not
+
     @property
     def ok(self) -> bool:
-        return not self.missing
+        return not self.missing and not self.available
 
 
 def qt_platform() -> str:
@@ -80,8 +82,11 @@ def check_platform(platform: str | None = None, plugins: Path | None = None) -> 
         return PlatformCheck(platform, None, note="checked on Linux only")
     folder = plugins or _plugins_dir()
     plugin = folder / f"libq{platform}.so" if folder else None
-    if plugin is None or not plugin.exists():
-        return PlatformCheck(platform, None, note=f"no Qt plugin for platform {platform!r} was found")
+    if folder is None:
+        return PlatformCheck(platform, None, note="PySide6's plugins folder was not found")
+    if not plugin.exists():  # Qt would abort: say which platforms there are
+        installed = tuple(sorted(p.name[4:-3] for p in folder.glob("libq*.so"))) or ("none",)
+        return PlatformCheck(platform, None, note=f"no Qt plugin for platform {platform!r}", available=installed)
     ldd = shutil.which("ldd")
     if ldd is None:
         return PlatformCheck(platform, plugin, note="ldd is not installed: the plugin's libraries were not checked")
@@ -94,6 +99,9 @@ def check_platform(platform: str | None = None, plugins: Path | None = None) -> 
 
 def install_advice(check: PlatformCheck) -> str:
     """One paragraph: what is missing and the command that installs it on each family of Linux."""
+    if check.available:
+        return (f"SpecLens cannot open its window: Qt has no platform plugin {check.platform!r} (QT_QPA_PLATFORM). "
+                f"Installed: {', '.join(check.available)}. Unset QT_QPA_PLATFORM, or set it to one of those.")
     names = ", ".join(check.missing)
     lines = [f"SpecLens cannot open its window: Qt's {check.platform!r} platform plugin needs {names}, "
              "which this system lacks. Install them with the command for your system, then start SpecLens again:"]

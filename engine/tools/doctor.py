@@ -82,9 +82,9 @@ def diagnose() -> list[tuple[str, str, bool]]:
                      f"not used: {build.integer_message}; the float32 native kernels run", True))
     rows.append(("cpu features", cpu_features() or "none of AVX2, AVX-512, VNNI, BF16, AMX reported", True))
     check = check_platform()
-    if check.missing:  # a problem where a window could open; on a server without a display, a note
+    if not check.ok:  # missing libraries: a problem where a window could open, on a server a note
         rows.append((f"qt platform {check.platform}", install_advice(check).replace("\n", " "),
-                     no_display_reason(check.platform) is not None))
+                     not check.available and no_display_reason(check.platform) is not None))
     else:
         rows.append((f"qt platform {check.platform}", check.note or f"every library of {check.plugin.name} is present",
                      True))

@@ -264,6 +264,18 @@ class ComparePanel(QWidget):
     def replaying(self) -> bool:
         return self._replay.isActive()
 
+    @property
+    def race_clock(self) -> float:
+        """Seconds of measured time the race has replayed so far."""
+        return (time.monotonic() - self._replay_start) * self._replay_scale if self.replaying else self.race_length
+
+    @property
+    def race_length(self) -> float:
+        """Measured seconds of the slower side (0 before a race)."""
+        if self._chosen is None:
+            return 0.0
+        return max(run.summary.elapsed_s for run in self._chosen)
+
     def set_settings(self, settings: AppSettings) -> None:
         self._settings = settings
 

@@ -45,6 +45,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpu-kernels", choices=CPU_KERNELS, help="how a float32 model computes on a CPU (Settings: CPU kernels)")
     parser.add_argument("--screenshot-settings", type=Path,
                         help="headless mode: also save the settings dialog (speedup advisor) here")
+    parser.add_argument("--screenshot-race", type=Path,
+                        help="headless mode with --compare: also save the window mid-race here")
     parser.add_argument("--timeout", type=float, default=900.0, help="headless mode: give up after this many seconds")
     return parser.parse_args(argv)
 
@@ -56,6 +58,7 @@ async def run_headless(
     screenshot: Path | None,
     timeout: float,
     settings_screenshot: Path | None = None,
+    race_screenshot: Path | None = None,
 ) -> int:
     """Send the prompt (or compare it), wait for the answer, save a screenshot; return an exit code."""
     loop = asyncio.get_running_loop()
@@ -78,6 +81,14 @@ async def run_headless(
     except asyncio.TimeoutError:
         print(f"speclens: no answer within {timeout:g} s", file=sys.stderr)
         return 3
+    if compare and race_screenshot is not None and window.compare.replaying:
+        # mid-race: 60% of the slower side's time, when the faster one has usually finished
+        while window.compare.replaying and window.compare.race_clock < 0.6 * window.compare.race_length:
+            await asyncio.sleep(0.01)
+        race_screenshot.parent.mkdir(parents=True, exist_ok=True)
+        if not window.grab().save(str(race_screenshot)):
+            print(f"speclens: could not write {race_screenshot}", file=sys.stderr)
+            return 4
     while compare and window.compare.replaying:  # the race is replayed at the measured pace (at most ~20 s)
         await asyncio.sleep(0.1)
     await asyncio.sleep(0.3)  # let the plots timer and layout catch up before grabbing
@@ -160,7 +171,8 @@ def _run(app: QApplication, store: SettingsStore, settings, args: argparse.Names
         if args.prompt:
             code = loop.run_until_complete(
                 run_headless(
-                    window, args.prompt, args.compare, args.screenshot, args.timeout, args.screenshot_settings
+                    window, args.prompt, args.compare, args.screenshot, args.timeout, args.screenshot_settings,
+                    args.screenshot_race
                 )
             )
             window.close()

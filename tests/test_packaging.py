@@ -95,3 +95,23 @@ def test_the_wheel_installs_one_speclens_package_that_runs_outside_the_repositor
     assert absent == "[True, True, True]" and heads == "True" and kernel == "True", result.stdout
     doctor = subprocess.run([str(env / "bin" / "speclens"), "doctor"], capture_output=True, text=True, cwd=outside)
     assert doctor.returncode == 0 and "default model:" in doctor.stdout, doctor.stdout + doctor.stderr
+
+
+def test_the_gpu_training_script_runs_in_its_tiny_cpu_mode(tmp_path):
+    """packaging/gpu_train.sh, prepared for a GPU session, in seconds on a CPU: it distils into new
+    shards, trains EAGLE and Medusa heads from every shard and leaves heads, cards and shards only."""
+    import json
+    import os
+
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", str(ROOT / "packaging" / "gpu_train.sh"), "--tiny", "--device", "cpu", str(out)],
+                         env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=600,
+                         cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (shard,) = (out / "shards").glob("*.safetensors")
+    for kind in ("eagle", "medusa"):
+        assert (out / kind / "model.safetensors").is_file() and (out / kind / "README.md").is_file()
+        record = json.loads((out / kind / "training.json").read_text())
+        assert record["run"]["n_samples"][-1] == 16  # 8 greedy + 8 sampled answers, read back from the shard
+        assert not list((out / kind).glob("*.pt"))  # no distillation state comes back
+    assert not (out / "distil").exists()

@@ -129,8 +129,10 @@ def distil(model, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], options
                       if (i, variant) not in have and not (variant == 0 and tuple(ids) in have_greedy))
         batches += [(variant, todo[s : s + options.batch_size]) for s in range(0, len(todo), options.batch_size)]
     bar = tqdm(batches, desc="distil (target answers + features)" if features else "distil (target answers)")
-    saved = time.perf_counter()
+    saved = began = time.perf_counter()
     for n, (variant, batch) in enumerate(bar, start=1):
+        if options.distil_seconds and time.perf_counter() - began > options.distil_seconds:
+            break  # out of time: what is done was saved as the last batch ended, and a rerun resumes
         start = time.perf_counter()
         temperature = variant_temperature(options, variant) or None  # None: greedy
         rows = _distil_batch(model, [prompt_ids[i] for _, i in batch], eos_ids, options, temperature, features)
@@ -138,7 +140,8 @@ def distil(model, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], options
             done.append({"prompt": torch.tensor(i), "variant": torch.tensor(variant), **row})
         # The whole file is rewritten each time, so on a fast GPU saving after every batch would
         # cost more than distilling; a killed run loses at most SAVE_EVERY_S of work.
-        if n == len(batches) or time.perf_counter() - saved > every:
+        over = options.distil_seconds and time.perf_counter() - began > options.distil_seconds
+        if n == len(batches) or over or time.perf_counter() - saved > every:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             torch.save(done, tmp)

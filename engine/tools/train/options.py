@@ -27,7 +27,7 @@ _INT_RANGES = (
     ("medusa_layers", 1, 16), ("medusa_tree_nodes", 1, 1024), ("depth", 1, 64), ("top_k", 1, 1024),
     ("budget", 1, 1024), ("chain", 1, 64), ("eval_tokens", 0, 32_768), ("threads", 1, 1024), ("seed", 0, 2**63 - 1),
 )
-_FLOAT_RANGES = (("feature_noise", 0.0, 10.0), ("ce_weight", 0.0, 1000.0))
+_FLOAT_RANGES = (("feature_noise", 0.0, 10.0), ("ce_weight", 0.0, 1000.0), ("distil_seconds", 0.0, 1e7))
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,7 @@ class TrainOptions:
     dtype: str = "float32"
     device: str = "auto"  # where distillation and training run (auto: a CUDA GPU if there is one, else the CPU)
     evaluate_only: bool = False  # measure tau of the head already in OUT and rewrite its card (no training)
+    distil_seconds: float = 0.0  # stop distilling after this long (what is done is kept; 0: no limit)
 
     def __post_init__(self) -> None:  # refused before any model loads, one line each (limits)
         check_choice("--kind", self.kind, KINDS)
@@ -196,6 +197,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", action="append", default=[], metavar="DIR",
                         help="folder of committed token-id shards (repeatable): this run's answers are written "
                              "into the first, and every shard found is trained on")
+    parser.add_argument("--distil-seconds", type=float, default=defaults.distil_seconds, metavar="S",
+                        help="stop distilling after S seconds, keeping every answer made (a GPU session's budget)")
     parser.add_argument("--distil-only", action="store_true",
                         help="stop after distilling the prompts into DATA (for --extra-data of another run)")
     parser.add_argument("--init-from", default="", metavar="DIR",

@@ -163,3 +163,10 @@ def test_a_distillation_stopped_midway_keeps_its_answers_in_shards(tmp_path, mon
     assert main(argv) == 0  # a rerun resumes, and its shard then holds all eight
     (shard,) = shard_paths([shards])
     assert len(read_shard(shard)[0]) == 8
+    kept = shard.read_bytes()
+    # the resumable state lost (a new session's /tmp): a rerun writes beside the shard, never over it,
+    # and makes none of the answers it holds again
+    (tmp_path / "run" / "distilled-ids.pt").unlink()
+    monkeypatch.setattr(distil, "_distil_batch", lambda *a, **k: pytest.fail("an answer was made again"))
+    assert main(argv) == 0
+    assert shard_paths([shards]) == [shard] and shard.read_bytes() == kept

@@ -50,12 +50,19 @@ def run(options: TrainOptions) -> dict:
             options.self_prompt_temperature, options.batch_size, seed=options.seed)
     encode = [engine.encode_chat([{"role": "user", "content": p}]) for p in train_prompts]
     run_name = shard_run(options, engine.target.name)
+    # A data-gathering run (distil only, into shards) keeps no features: training recomputes them.
+    ids_only = options.distil_only and bool(options.shards)
+    state = options.data_path.with_name(options.data_path.stem + "-ids.pt") if ids_only else options.data_path
+    if options.shards and not state.exists():
+        # this run's shards exist but not the state that resumes them: write beside them, never over them
+        folder, base, k = Path(options.shards[0]), run_name, 1
+        while any(folder.glob(f"{run_name}-[0-9][0-9][0-9][0-9].safetensors")):
+            k += 1
+            run_name = f"{base}-r{k}"
 
     def on_save(done: list[dict]) -> None:  # the shards grow with the run: a stopped run keeps its answers
         save_shards(done, options, engine.target.name, run_name)
 
-    # A data-gathering run (distil only, into shards) keeps no features: training recomputes them.
-    ids_only = options.distil_only and bool(options.shards)
     have_greedy: frozenset[tuple[int, ...]] = frozenset()
     if options.shards:  # greedy answers other runs already hold are not made again
         from speclens.engine.tools.train.shards import read_all

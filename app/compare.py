@@ -419,7 +419,11 @@ class ComparePanel(QWidget):
         runs = [self._runs[rid] for rid in self._order]
         plain = [r for r in runs if r.side == "plain" and r.summary is not None]
         spec = [r for r in runs if r.side == "speculative" and r.summary is not None]
-        complete = len(plain) == len(spec) == len(runs) // 2 and plain
+        # a stopped comparison is not raced: a cut run would read as a shorter, "different" answer
+        complete = len(plain) == len(spec) == len(runs) // 2 and plain and not stopped
+        if not complete:
+            for pane in (self.left, self.right):
+                pane.speed.setText("stopped" if stopped and not self._errors else "failed")
         if stopped and not self._errors and not complete:
             self.result.setText("Stopped before both runs finished: nothing to compare.")
             first_plain = plain[0].summary if plain else None
@@ -473,7 +477,8 @@ class ComparePanel(QWidget):
                 parts.append("<span style='color:#1a7f37'><b>✓ identical outputs</b> (temperature 0"
                              f"{', every run' if n > 1 else ''})</span>")
             else:
-                first = min(d.first_difference for d in diffs if not d.identical)
+                shown = diff if not diff.identical else next(d for d in diffs if not d.identical)
+                first = shown.first_difference
                 parts.append(
                     "<span style='color:#b00020'><b>✗ outputs differ</b> from token "
                     f"{first} (underlined)</span>"

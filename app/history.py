@@ -169,17 +169,21 @@ class HistoryStore:
         store = cls.__new__(cls)
         store.path, store.moved_aside = None, None
         store._db = _open(":memory:")
-        if copy_of is not None and copy_of.exists():
-            try:
+        try:
+            if copy_of is not None and copy_of.exists():
                 source = sqlite3.connect(f"{copy_of.resolve().as_uri()}?mode=ro", uri=True, timeout=LOCK_TIMEOUT_S)
                 try:
                     source.backup(store._db)
                 finally:
                     source.close()
+                (check,) = store._db.execute("PRAGMA quick_check").fetchone()
+                if check != "ok":
+                    raise sqlite3.DatabaseError(check)
                 store._db.executescript(SCHEMA)
-            except sqlite3.Error:  # not even readable: an empty history
-                store._db.close()
-                store._db = _open(":memory:")
+                store.conversations()  # readable as a history, or not used
+        except (OSError, sqlite3.Error):  # not even readable: an empty history
+            store._db.close()
+            store._db = _open(":memory:")
         return store
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import qasync
 from pyqtgraph.util.garbage_collector import GarbageCollector
+from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication
 
 from speclens.app.chat_view import Message
@@ -150,8 +151,9 @@ def _close_on_ctrl_c(window: MainWindow) -> list[int]:
 
     def on_sigint(signum, _frame) -> None:
         fired.append(signum)
-        window.close()
-        QApplication.quit()
+        # from the event loop, not here: the handler may run inside any slot, midway through its work
+        QTimer.singleShot(0, window.close)
+        QTimer.singleShot(0, QApplication.quit)
 
     signal.signal(signal.SIGINT, on_sigint)
     return fired

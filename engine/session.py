@@ -226,7 +226,10 @@ class Engine:
         """A plain-text prompt's ids, made to fit as fit_chat does (drop_oldest keeps the newest tokens)."""
         check_choice("context overflow policy", policy, OVERFLOW_POLICIES)
         try:
-            return fit_ids(self.encode_text(prompt), self.context_length, max_new_tokens, policy)
+            ids = self.encode_text(prompt)
+            bos = self.target.tokenizer.bos_token_id
+            keep_first = 1 if ids and bos is not None and ids[0] == bos else 0  # the BOS token stays first
+            return fit_ids(ids, self.context_length, max_new_tokens, policy, keep_first)
         except PromptError as exc:
             raise EngineError(str(exc)) from exc
 

@@ -323,3 +323,19 @@ def test_a_draft_method_without_a_draft_model_is_refused_not_served_by_the_last_
     message = send_and_wait(qtbot, window, "one two three")
     assert "choose a draft model" in message.error and not message.text
     assert not window.busy and window.send_button.isEnabled()
+
+
+def test_a_comparison_stopped_during_its_last_run_is_not_raced(qtbot, make_window):
+    window = make_window(tiny_factory(step_delay_s=0.05))
+    window.apply_settings(AppSettings(method="draft", draft="tiny", k=3, temperature=0.0, max_new_tokens=200,
+                                      compare_runs=1, adaptive_k=False))
+    compare = window.compare
+    with qtbot.waitSignal(compare.finished, timeout=60_000) as blocker:
+        window.run_compare("count for a while")
+        qtbot.waitUntil(lambda: compare.right.tokens is not compare.left.tokens and len(compare.right.tokens) >= 3,
+                        timeout=60_000)
+        compare.stop()
+    result = blocker.args[0]  # the plain run finished, the speculative one was cut: no false "outputs differ"
+    assert result.stopped and result.diff is None and not compare.replaying
+    assert compare.result.text() == "Stopped before both runs finished: nothing to compare."
+    assert compare.right.speed.text() == "stopped"

@@ -28,7 +28,12 @@ class FakeHub:
         self.root, self.files, self.fail = root, files, fail
         self.downloaded: list[str] = []
 
-    def snapshot_download(self, repo, allow_patterns=None, dry_run=False, **kwargs):
+    def snapshot_download(self, repo, allow_patterns=None, dry_run=False, local_files_only=False, **kwargs):
+        if local_files_only:  # the cache, no network
+            folder = self.root / "snapshots" / "c0ffee"
+            if not (folder / "config.json").exists():
+                raise LocalEntryNotFoundError("not cached")
+            return str(folder)
         assert dry_run, "the whole snapshot is never fetched blindly"
         if self.fail is not None:
             raise self.fail
@@ -140,3 +145,48 @@ def test_load_model_turns_hub_failures_into_load_errors(fake_hub, monkeypatch):
     fake_hub({}, fail=GatedRepoError("401 gated", response=_response(401)))
     with pytest.raises(ModelLoadError, match="is gated"):
         load_model("org/m", LoadOptions(device="cpu"))
+
+
+def test_a_cached_model_loads_when_the_hub_cannot_be_reached(fake_hub, tmp_path):
+    fake_hub({"config.json": 60, "model.safetensors": 1_000})
+    folder = fetch_model("org/m", torch.device("cpu"), torch.float32, lambda m, f: None)  # online: cached now
+    fake_hub({}, fail=httpx.ConnectError("no route"))
+    lines = []
+    assert fetch_model("org/m", torch.device("cpu"), torch.float32, lambda m, f: lines.append(m)) == folder
+    assert "loading the cached copy" in lines[0]
+
+
+def test_xet_downloads_report_their_bytes_once(monkeypatch):
+    """The hub's Xet reporter drives the bar class with reconstruction and transfer bytes and reads its
+    `n`: counted once, no TypeError (a bar whose every attribute was a function failed here)."""
+    import logging
+    from types import SimpleNamespace
+
+    reporting = pytest.importorskip("huggingface_hub.utils._xet_progress_reporting")
+    seen = []
+    bar_class = hub._byte_counter(seen.append)
+    reporter = reporting.XetDownloadProgressReporter(reconstruction_desc="x", total=300, log_level=logging.INFO,
+                                                     tqdm_class=bar_class)
+    for done in (100, 300):
+        reporter.update_progress(SimpleNamespace(total_bytes_completed=done, total_transfer_bytes_completed=done,
+                                                 total_bytes_completion_rate=1.0,
+                                                 total_transfer_bytes_completion_rate=1.0, total_bytes=300))
+    reporter.close()
+    assert sum(seen) == 300
+
+
+def test_only_the_indexed_weights_are_fetched(fake_hub):
+    fake = fake_hub({"config.json": 60, "model.safetensors.index.json": 0, "model-00001-of-00001.safetensors": 2_000,
+                     "consolidated.safetensors": 2_000})
+    real_download = fake.hf_hub_download
+
+    def download(repo, filename, tqdm_class=None, **kwargs):
+        path = real_download(repo, filename, tqdm_class, **kwargs)
+        if filename.endswith("index.json"):
+            Path(path).write_text(json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+        return path
+
+    huggingface_hub.hf_hub_download = download
+    lines = []
+    fetch_model("org/m", torch.device("cpu"), torch.float32, lambda m, f: lines.append(m))
+    assert "consolidated.safetensors" not in fake.downloaded and "2.0 kB of weights" in lines[0]

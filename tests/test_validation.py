@@ -187,14 +187,20 @@ def test_turns_are_dropped_oldest_first_keeping_the_system_prompt_and_the_last_t
     fitted = fit_turns(messages, encode, context=110, max_new_tokens=20, policy="drop_oldest")
     assert fitted.dropped == 0 and fitted.notice is None and fitted.tokens == 82
     fitted = fit_turns(messages, encode, context=80, max_new_tokens=20, policy="drop_oldest")
-    assert fitted.dropped == 1 and fitted.tokens == 10 + 31 + 10 and "Dropped the 1 oldest turn" in fitted.notice
-    fitted = fit_turns(messages, encode, context=48, max_new_tokens=20, policy="drop_oldest")
-    assert fitted.dropped == 2 and fitted.tokens == 20  # system + last turn; the answer gets 48 // 4 = 12
+    # a user turn goes with the answer after it: the roles still alternate (templates require it)
+    assert fitted.dropped == 2 and fitted.tokens == 10 + 10 and "Dropped the 2 oldest turns" in fitted.notice
+    longer = messages[:3] + [{"role": "user", "content": "d" * 9}, {"role": "assistant", "content": "e" * 9}] + \
+        messages[3:]
+    seen = []
+    fitted = fit_turns(longer, lambda m: seen.append([x["role"] for x in m]) or encode(m), context=80,
+                       max_new_tokens=20, policy="drop_oldest")
+    assert fitted.dropped == 2 and seen[-1] == ["system", "user", "assistant", "user"]
     with pytest.raises(PromptError, match="The conversation is 82 tokens.*context holds 80"):
         fit_turns(messages, encode, context=80, max_new_tokens=20, policy="stop")
     with pytest.raises(PromptError, match="The last message"):
         fit_turns(messages, encode, context=24, max_new_tokens=20, policy="drop_oldest")
     assert fit_ids(list(range(100)), 64, 8, "drop_oldest").ids == tuple(range(44, 100))
+    assert fit_ids(list(range(100)), 64, 8, "drop_oldest", keep_first=1).ids == (0, *range(45, 100))  # BOS stays
     with pytest.raises(PromptError, match="The prompt is 100 tokens"):
         fit_ids(list(range(100)), 64, 8, "stop")
 

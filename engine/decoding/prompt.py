@@ -88,16 +88,24 @@ def fit_turns(messages: Sequence[dict[str, str]], encode: Callable[[list[dict[st
         droppable = [i for i, m in enumerate(kept[:-1]) if m["role"] != "system"]
         if not droppable:
             raise PromptError(overflow_message(len(ids), room, context, "The last message with the system prompt"))
-        del kept[droppable[0]]
+        # the oldest turn and the answers after it, up to the next user turn: the roles keep alternating,
+        # as many chat templates require
+        at = droppable[0]
+        del kept[at]
         dropped += 1
+        while at < len(kept) - 1 and kept[at]["role"] not in ("user", "system"):
+            del kept[at]
+            dropped += 1
         ids = encode(kept)
     notice = (f"Dropped the {dropped} oldest turn{'s' if dropped != 1 else ''} to fit the model's context of "
               f"{context:,} tokens (the prompt is now {len(ids):,}).")
     return Fitted(tuple(ids), context, dropped, notice)
 
 
-def fit_ids(ids: Sequence[int], context: int | None, max_new_tokens: int, policy: str) -> Fitted:
-    """Plain-text prompt ids made to fit: "drop_oldest" keeps the newest tokens, "stop" refuses."""
+def fit_ids(ids: Sequence[int], context: int | None, max_new_tokens: int, policy: str,
+            keep_first: int = 0) -> Fitted:
+    """Plain-text prompt ids made to fit: "drop_oldest" keeps the first `keep_first` (a BOS token) and the
+    newest tokens, "stop" refuses."""
     if context is None:
         return Fitted(tuple(ids), None)
     room = answer_room(context, max_new_tokens)
@@ -105,7 +113,7 @@ def fit_ids(ids: Sequence[int], context: int | None, max_new_tokens: int, policy
         return Fitted(tuple(ids), context)
     if policy != "drop_oldest":
         raise PromptError(overflow_message(len(ids), room, context, "The prompt"))
-    keep = context - room
-    dropped = len(ids) - keep
-    return Fitted(tuple(ids[-keep:]), context, dropped,
+    keep = context - room - keep_first
+    dropped = len(ids) - keep_first - keep
+    return Fitted(tuple(ids[:keep_first]) + tuple(ids[-keep:]), context, dropped,
                   f"Dropped the first {dropped:,} tokens of the prompt to fit the model's context of {context:,} tokens.")

@@ -93,6 +93,23 @@ def list_files(repo: str, patterns: tuple[str, ...] = MODEL_FILES) -> list[HubFi
     return [HubFile(i.filename, int(i.file_size or 0), bool(i.is_cached)) for i in infos]
 
 
+def _one_set_of_weights(repo: str, files: list[HubFile]) -> list[HubFile]:
+    """Where an index names the weight shards (model.safetensors.index.json), those and no other weights
+    (some repositories also ship a consolidated copy, which would download and be sized twice)."""
+    import json as _json
+
+    index = next((f for f in files if f.name.endswith(".safetensors.index.json")), None)
+    if index is None:
+        return files
+    from huggingface_hub import hf_hub_download
+
+    try:
+        listed = set(_json.loads(Path(hf_hub_download(repo, index.name)).read_text())["weight_map"].values())
+    except Exception:  # noqa: BLE001 - an unreadable index: keep every file
+        return files
+    return [f for f in files if not f.name.endswith((".safetensors", ".bin")) or f.name in listed]
+
+
 def available_memory(device: torch.device) -> int | None:
     """Bytes free for weights on `device` (None: unknown)."""
     if device.type == "cuda":
@@ -137,32 +154,70 @@ def fits(repo: str, files: list[HubFile], stored_dtype: str | None, device: torc
     return line, None
 
 
-class _Bytes:
-    """Stands in for the progress bar the hub's downloader drives (it calls update(n) with bytes); every
-    other call it makes is accepted and ignored."""
+def _byte_counter(sink: Callable[[int], None]) -> type:
+    """A progress-bar class for the hub's downloader that hands the bytes written to `sink`. It has
+    `update_transfer`, so a Xet download routes its network bytes there (ignored) and its written
+    bytes to `update`, as for snapshot_download's own aggregate bar: each byte is counted once. A
+    resumed file's `initial` bytes count as done."""
 
-    def __init__(self, sink: Callable[[int], None], *args, **kwargs) -> None:
-        self._sink = sink
+    class _Bytes:
+        def __init__(self, *args, total: int | None = None, initial: int = 0, **kwargs) -> None:
+            self.total, self.n = total, int(initial or 0)
+            if self.n:
+                sink(self.n)
 
-    def update(self, n: int | float | None = 1) -> None:
-        self._sink(int(n or 0))
+        def update(self, n: int | float | None = 1) -> None:
+            n = int(n or 0)
+            self.n += n
+            sink(n)
 
-    def __enter__(self):
-        return self
+        def update_transfer(self, n: int | float | None = 1) -> None:
+            pass  # network bytes of a Xet download: the written ones (update) are counted
 
-    def __exit__(self, *exc) -> None:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            return None
+
+        def __getattr__(self, name: str):  # set_postfix_str, refresh, close, ...: nothing to draw
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return lambda *args, **kwargs: None
+
+    return _Bytes
+
+
+def cached_folder(repo: str) -> Path | None:
+    """The cached snapshot of `repo` when it holds a config and weights (no network asked), else None."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(repo, allow_patterns=list(MODEL_FILES + LEGACY_WEIGHTS), local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached, or partly: the hub is asked
         return None
+    weights = any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))
+    return folder if (folder / "config.json").exists() and weights else None
 
-    def __getattr__(self, name: str):
-        return lambda *args, **kwargs: None
 
-
-def fetch_model(repo: str, device: torch.device, dtype: torch.dtype, progress: Progress) -> Path:
-    """The local folder of hub model `repo`, downloaded as needed (see the module docstring)."""
+def fetch_model(repo: str, device: torch.device, dtype: torch.dtype, progress: Progress, offload: bool = False,
+                code: bool = False) -> Path:
+    """The local folder of hub model `repo`, downloaded as needed (see the module docstring). With
+    `offload` (weights spread over GPU and CPU) the device's memory is not a limit; `code` also fetches
+    the repository's Python files (trust_remote_code)."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.constants import HF_HUB_CACHE
 
-    files = list_files(repo)
+    patterns = MODEL_FILES + (("*.py",) if code else ())
+    try:
+        files = list_files(repo, patterns)
+    except HubError:
+        cached = cached_folder(repo)  # the hub out of reach, or gated without a token: a whole cached copy loads
+        if cached is None:
+            raise
+        progress(f"{repo}: the hub could not be asked; loading the cached copy", None)
+        return cached
+    files = _one_set_of_weights(repo, files)
     if not files:
         raise HubError(f"{repo} holds no model files (config.json, weights) that SpecLens can load.")
     stored = None
@@ -175,7 +230,7 @@ def fetch_model(repo: str, device: torch.device, dtype: torch.dtype, progress: P
             if not _is_hub_failure(exc):
                 raise
             raise HubError(explain(repo, exc)) from exc
-    line, refusal = fits(repo, files, stored, device, dtype, Path(HF_HUB_CACHE))
+    line, refusal = fits(repo, files, stored, torch.device("cpu") if offload else device, dtype, Path(HF_HUB_CACHE))
     progress(line, None)
     if refusal:
         raise HubError(refusal)
@@ -196,9 +251,10 @@ def fetch_model(repo: str, device: torch.device, dtype: torch.dtype, progress: P
                  min(done / total, 1.0) if total else None)
 
     folder = None
+    counter = _byte_counter(on_bytes)
     for f in files:
         try:
-            path = hf_hub_download(repo, f.name, tqdm_class=lambda *a, **k: _Bytes(on_bytes, *a, **k))
+            path = hf_hub_download(repo, f.name, tqdm_class=counter)
         except Exception as exc:
             if not _is_hub_failure(exc):  # a stop raised by `progress` passes through as it was raised
                 raise

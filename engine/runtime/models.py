@@ -224,7 +224,8 @@ def load_model(source: str, options: LoadOptions = LoadOptions(), progress: Prog
             folder, extra = source, {"local_files_only": True}
         else:  # sized first, then downloaded with bytes, rate and time left (resumable; progress may stop it)
             try:
-                folder, extra = fetch_model(source, device, dtype, progress), {}
+                folder, extra = fetch_model(source, device, dtype, progress, options.offload and device.type == "cuda",
+                                            options.trust_remote_code), {}
             except HubError as exc:
                 raise ModelLoadError(str(exc)) from exc
     else:

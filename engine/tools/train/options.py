@@ -12,7 +12,7 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from speclens.engine.decoding.limits import MAX_TEMPERATURE, SettingError, check_choice, check_float, check_int
+from speclens.engine.decoding.limits import MAX_K, MAX_TEMPERATURE, SettingError, check_choice, check_float, check_int
 
 # The kinds --kind accepts: the trained heads (one module each, listed in registry.py) and the
 # datastore, which stores answers and trains nothing. Kept here, not imported from the registry,
@@ -24,8 +24,8 @@ _INT_RANGES = (
     ("self_prompts", 0, 10_000_000), ("max_prompts", 1, 100_000_000), ("held_out", 0, 100_000),
     ("answer_tokens", 1, 32_768), ("sampled_answers", 0, 64), ("batch_size", 1, 65_536), ("epochs", 0, 10_000),
     ("tokens_per_step", 1, 10_000_000), ("unroll", 1, 16), ("draft_vocab", 0, 10_000_000), ("medusa_heads", 1, 16),
-    ("medusa_layers", 1, 16), ("medusa_tree_nodes", 1, 1024), ("depth", 1, 64), ("top_k", 1, 1024),
-    ("budget", 1, 1024), ("chain", 1, 64), ("eval_tokens", 0, 32_768), ("threads", 1, 1024), ("seed", 0, 2**63 - 1),
+    ("medusa_layers", 1, 16), ("medusa_tree_nodes", 1, 1024), ("depth", 1, MAX_K), ("top_k", 1, 1024),
+    ("budget", 1, 1024), ("chain", 1, MAX_K), ("eval_tokens", 0, 32_768), ("threads", 1, 1024), ("seed", 0, 2**63 - 1),
 )
 _FLOAT_RANGES = (("feature_noise", 0.0, 10.0), ("ce_weight", 0.0, 1000.0), ("distil_seconds", 0.0, 1e7))
 

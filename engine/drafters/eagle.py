@@ -211,7 +211,7 @@ class EagleDrafter(DraftModelTreeDrafter):
         if fresh is None or self.target.cached_ids[: len(want)] != want:
             # the target's latest forward did not cover the gap: re-feed it (the cache stays ids[:-1])
             self.target.truncate(min(have, self.target.common_prefix(want)))
-            self.target.forward(want, [], 1)
+            self.target.prefill([*want, want[-1]])  # in chunks (bounded memory), keeping every chunk's features
             fresh = self.target.hidden_at(have, len(want))
         kept = self.features[:have] if self.features is not None else fresh[:0]
         self.features = torch.cat([kept, fresh])  # [len(want), H]

@@ -204,7 +204,6 @@ class ComparePanel(QWidget):
         self._spec_label = ""  # "K≤4 adaptive, seed 7": the right pane's title after its method
         self._live: _Run | None = None  # the run being timed, for the status line
         self._replay_start = 0.0
-        self._replay_scale = 1.0
         self._replay = QTimer(self, interval=REPLAY_TICK_MS)
         self._replay.timeout.connect(self._tick)
         self._diff: TokenDiff | None = None
@@ -267,7 +266,12 @@ class ComparePanel(QWidget):
     @property
     def race_clock(self) -> float:
         """Seconds of measured time the race has replayed so far."""
-        return (time.monotonic() - self._replay_start) * self._replay_scale if self.replaying else self.race_length
+        return (time.monotonic() - self._replay_start) * self.race_scale if self.replaying else self.race_length
+
+    @property
+    def race_scale(self) -> float:
+        """How much faster than measured the race is replayed: 1, or more for a race past MAX_REPLAY_S."""
+        return max(1.0, self.race_length / MAX_REPLAY_S)
 
     @property
     def race_length(self) -> float:
@@ -389,8 +393,6 @@ class ComparePanel(QWidget):
         (base, spec) = self._chosen
         self.left.load_replay(base.tokens, base.steps, base.summary)
         self.right.load_replay(spec.tokens, spec.steps, spec.summary)
-        longest = max(base.summary.elapsed_s, spec.summary.elapsed_s)
-        self._replay_scale = max(1.0, longest / MAX_REPLAY_S)
         self._replay_start = time.monotonic()
         self._replay.start()
         self._tick()
@@ -403,7 +405,7 @@ class ComparePanel(QWidget):
         self._show_at(float("inf"))
 
     def _tick(self) -> None:
-        if self._show_at((time.monotonic() - self._replay_start) * self._replay_scale):
+        if self._show_at(self.race_clock):
             self._replay.stop()
 
     def _show_at(self, t: float) -> bool:
@@ -424,17 +426,16 @@ class ComparePanel(QWidget):
         if not complete:
             for pane in (self.left, self.right):
                 pane.speed.setText("stopped" if stopped and not self._errors else "failed")
-        if stopped and not self._errors and not complete:
-            self.result.setText("Stopped before both runs finished: nothing to compare.")
-            first_plain = plain[0].summary if plain else None
-            if plain:
-                self.left.tokens = plain[0].tokens
-            return CompareResult(first_plain, spec[0].summary if spec else None, None, None, None, stopped=True)
         if self._errors or not complete:
+            firsts = (plain[0].summary if plain else None, spec[0].summary if spec else None)
+            if stopped and not self._errors:
+                self.result.setText("Stopped before both runs finished: nothing to compare.")
+                if plain:
+                    self.left.tokens = plain[0].tokens
+                return CompareResult(*firsts, None, None, None, stopped=True)
             error = "; ".join(dict.fromkeys(self._errors)) or "A run did not finish."
             self.result.setText(f"<span style='color:#b00020'>Comparison failed: {error}</span>")
-            return CompareResult(plain[0].summary if plain else None, spec[0].summary if spec else None, None, None,
-                                 None, error)
+            return CompareResult(*firsts, None, None, None, error)
         base_run, spec_run = _median_run(plain), _median_run(spec)
         self._chosen = (base_run, spec_run)
         base, spec_summary = base_run.summary, spec_run.summary
@@ -487,8 +488,8 @@ class ComparePanel(QWidget):
             parts.append("sampled at temperature > 0: outputs may differ, the distribution does not")
         if "cancelled" in (base.stop_reason, spec_summary.stop_reason):
             parts.append("(stopped early)")
-        if self._replay_scale_for(base, spec_summary) > 1:
-            parts.append(f"replayed {self._replay_scale_for(base, spec_summary):.1f}× faster than measured")
+        if self.race_scale > 1:
+            parts.append(f"replayed {self.race_scale:.1f}× faster than measured")
         self.result.setText(" · ".join(parts))
         self._diff = diff
         self.replay_button.setEnabled(True)
@@ -498,10 +499,6 @@ class ComparePanel(QWidget):
             advice=advice, predicted_k=predicted_k, predicted_speedup=predicted, speculative_steps=steps,
             runs=n, speedups=speedups,
         )
-
-    @staticmethod
-    def _replay_scale_for(base: Summary, spec: Summary) -> float:
-        return max(1.0, max(base.elapsed_s, spec.elapsed_s) / MAX_REPLAY_S)
 
 
 def _median_run(runs: list[_Run]) -> _Run:

@@ -100,15 +100,22 @@ def _open(target: Path | str) -> sqlite3.Connection:
     return db
 
 
+DB_PARTS = ("", "-wal", "-shm")  # a WAL database's files: path + each suffix
+
+
+def default_history_path() -> Path:
+    return data_dir() / "history.sqlite3"
+
+
 def _move_aside(path: Path) -> Path:
     """Rename an unreadable database (and its WAL files) out of the way, keeping it for recovery. The new
     name is one no file has (a counter follows the time when needed): nothing kept is overwritten."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for n in itertools.count(1):
         target = path.with_name(f"{path.name}.unreadable-{stamp}" + (f"-{n}" if n > 1 else ""))
-        if not any(Path(f"{target}{suffix}").exists() for suffix in ("", "-wal", "-shm")):
+        if not any(Path(f"{target}{suffix}").exists() for suffix in DB_PARTS):
             break
-    for suffix in ("", "-wal", "-shm"):
+    for suffix in DB_PARTS:
         part = Path(f"{path}{suffix}")
         if part.exists():
             part.rename(f"{target}{suffix}")
@@ -145,7 +152,7 @@ class HistoryStore:
     session's chats in memory, `HistoryStore.in_memory`)."""
 
     def __init__(self, path: Path | None = None) -> None:
-        self.path: Path | None = path or data_dir() / "history.sqlite3"
+        self.path: Path | None = path or default_history_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.moved_aside: Path | None = None
         try:

@@ -44,7 +44,6 @@ from speclens.engine.decoding.limits import (
     OVERFLOW_LABELS,
     OVERFLOW_POLICIES,
     check_choice,
-    check_device,
     check_int,
     check_method,
     check_text,
@@ -123,15 +122,12 @@ class AppSettings:
         check_int("K", self.k, 1, MAX_K)
         check_int("max new tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
         check_int("seed", self.seed, -1, MAX_SEED, note=" (-1: a fresh seed per message)")
-        check_device(self.device)
-        check_choice("dtype", self.dtype, DTYPES)
-        check_choice("cpu_kernels", self.cpu_kernels, CPU_KERNELS)
         check_int("tree nodes", self.tree_budget, 0, MAX_TREE_BUDGET, note=" (0 = by device)")
         check_text("the system prompt", self.system_prompt, MAX_SYSTEM_PROMPT)
         check_choice("context overflow", self.context_overflow, OVERFLOW_POLICIES)
         check_int("compare runs", self.compare_runs, 1, MAX_COMPARE_RUNS)
         SamplingParams(self.temperature, self.top_k, self.top_p)
-        self.model_settings()  # the model sources
+        self.model_settings()  # the model sources, device, dtype, CPU kernels (ModelSettings' own checks)
 
     def model_settings(self) -> ModelSettings:
         draft = self.draft.strip() or None

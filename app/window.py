@@ -33,7 +33,7 @@ from superqt.utils import qthrottled
 
 from speclens.app.chat_view import ChatView, Legend, Message
 from speclens.app.compare import ComparePanel, CompareResult
-from speclens.app.history import HistoryStore, data_dir, export_file_name
+from speclens.app.history import HistoryStore, default_history_path, export_file_name
 from speclens.app.plots import StepPlots, summary_text
 from speclens.app.selftest_view import SelftestDialog
 from speclens.app.settings import AppSettings, SettingsDialog, SettingsStore, config_dir, method_label
@@ -590,8 +590,8 @@ class MainWindow(QMainWindow):
             last = self._pending_steps[-1]
             self.plots.add_steps(self._pending_steps)
             self._pending_steps = []
-            if last.elapsed_s > 0:
-                self.status_speed.setText(f"{last.new_tokens / last.elapsed_s:.1f} tok/s")
+            if last.decode_s > 0:
+                self.status_speed.setText(f"{last.new_tokens / last.decode_s:.1f} tok/s")
 
     def _save_partial(self) -> None:
         answer = self._answer
@@ -771,7 +771,7 @@ class MainWindow(QMainWindow):
 
 def _open_history() -> tuple[HistoryStore, str]:
     """The history file, and what to tell the user when it could not be used as it was."""
-    path = data_dir() / "history.sqlite3"
+    path = default_history_path()
     try:
         store = HistoryStore(path)
     except (sqlite3.Error, OSError) as exc:

@@ -119,13 +119,18 @@ def test_export_suggests_a_safe_name_in_the_documents_folder_and_errors_become_a
     assert Path(offered[1]).parent == tmp_path  # the last export folder next time
 
 
-def test_a_long_conversation_drops_its_oldest_turns_and_says_so(qtbot, make_window, tmp_path):
-    def small_context(settings, progress):
+def small_context(tokens: int):
+    """A tiny-engine factory whose target's context holds `tokens`."""
+    def factory(settings, progress):
         engine = tiny_factory()(settings, progress)
-        engine.target_lm.context_length = 160
+        engine.target_lm.context_length = tokens
         return engine
 
-    window = make_window(small_context, settings=AppSettings(method="lookup", max_new_tokens=24,
+    return factory
+
+
+def test_a_long_conversation_drops_its_oldest_turns_and_says_so(qtbot, make_window, tmp_path):
+    window = make_window(small_context(160), settings=AppSettings(method="lookup", max_new_tokens=24,
                                                              system_prompt="You are terse."))
     first = send_and_wait(qtbot, window, "one two three four five six seven eight nine ten " * 3)
     assert not window.notice_banner.isVisible() and "/ 160" in window.status_context.text()
@@ -142,12 +147,7 @@ def test_a_long_conversation_drops_its_oldest_turns_and_says_so(qtbot, make_wind
 
 
 def test_the_stop_policy_says_why_and_keeps_the_question(qtbot, make_window):
-    def small_context(settings, progress):
-        engine = tiny_factory()(settings, progress)
-        engine.target_lm.context_length = 40
-        return engine
-
-    window = make_window(small_context, settings=AppSettings(method="lookup", max_new_tokens=8,
+    window = make_window(small_context(40), settings=AppSettings(method="lookup", max_new_tokens=8,
                                                              context_overflow="stop"))
     message = send_and_wait(qtbot, window, "one two three four five six seven eight nine ten " * 4)
     assert message.error and "context holds 40" in message.error and window.error_banner.isVisible()

@@ -67,6 +67,19 @@ def overflow_message(tokens: int, room: int, context: int, what: str) -> str:
             f"'drop_oldest'")
 
 
+def _room_to_make(tokens: int, context: int | None, max_new_tokens: int, policy: str, what: str) -> int | None:
+    """None when a prompt of `tokens` leaves the answer room (or the context is unknown); else the room the
+    answer needs, when the policy drops, and PromptError when it stops."""
+    if context is None:
+        return None
+    room = answer_room(context, max_new_tokens)
+    if tokens + room <= context:
+        return None
+    if policy != "drop_oldest":
+        raise PromptError(overflow_message(tokens, room, context, what))
+    return room
+
+
 def fit_turns(messages: Sequence[dict[str, str]], encode: Callable[[list[dict[str, str]]], list[int]],
               context: int | None, max_new_tokens: int, policy: str) -> Fitted:
     """The chat `messages` encoded so that the answer has room in `context` (None: no known limit).
@@ -76,21 +89,16 @@ def fit_turns(messages: Sequence[dict[str, str]], encode: Callable[[list[dict[st
     last turn alone do not fit."""
     kept = list(messages)
     ids = encode(kept)
-    if context is None:
-        return Fitted(tuple(ids), None)
-    room = answer_room(context, max_new_tokens)
-    if len(ids) + room <= context:
+    room = _room_to_make(len(ids), context, max_new_tokens, policy, "The conversation")
+    if room is None:
         return Fitted(tuple(ids), context)
-    if policy != "drop_oldest":
-        raise PromptError(overflow_message(len(ids), room, context, "The conversation"))
     dropped = 0
     while len(ids) + room > context:
-        droppable = [i for i, m in enumerate(kept[:-1]) if m["role"] != "system"]
-        if not droppable:
+        at = next((i for i, m in enumerate(kept[:-1]) if m["role"] != "system"), None)
+        if at is None:
             raise PromptError(overflow_message(len(ids), room, context, "The last message with the system prompt"))
         # the oldest turn and the answers after it, up to the next user turn: the roles keep alternating,
         # as many chat templates require
-        at = droppable[0]
         del kept[at]
         dropped += 1
         while at < len(kept) - 1 and kept[at]["role"] not in ("user", "system"):
@@ -106,13 +114,9 @@ def fit_ids(ids: Sequence[int], context: int | None, max_new_tokens: int, policy
             keep_first: int = 0) -> Fitted:
     """Plain-text prompt ids made to fit: "drop_oldest" keeps the first `keep_first` (a BOS token) and the
     newest tokens, "stop" refuses."""
-    if context is None:
-        return Fitted(tuple(ids), None)
-    room = answer_room(context, max_new_tokens)
-    if len(ids) + room <= context:
+    room = _room_to_make(len(ids), context, max_new_tokens, policy, "The prompt")
+    if room is None:
         return Fitted(tuple(ids), context)
-    if policy != "drop_oldest":
-        raise PromptError(overflow_message(len(ids), room, context, "The prompt"))
     keep = context - room - keep_first
     dropped = len(ids) - keep_first - keep
     return Fitted(tuple(ids[:keep_first]) + tuple(ids[-keep:]), context, dropped,

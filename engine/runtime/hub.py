@@ -13,7 +13,8 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,33 +79,41 @@ def _is_hub_failure(exc: BaseException) -> bool:
     return root in ("huggingface_hub", "httpx", "httpx2", "httpcore", "requests", "urllib3") or isinstance(exc, OSError)
 
 
-def list_files(repo: str, patterns: tuple[str, ...] = MODEL_FILES) -> list[HubFile]:
-    """The repository's model files, their sizes and whether each is cached (a dry run: nothing written)."""
-    from huggingface_hub import snapshot_download
-
+@contextmanager
+def _as_hub_error(repo: str) -> Iterator[None]:
+    """Hub and network failures inside become one-line HubErrors; anything else (a stop raised by a
+    progress callback) passes through as it was raised."""
     try:
-        infos = snapshot_download(repo, allow_patterns=list(patterns), dry_run=True)
-        if not any(i.filename.endswith(".safetensors") for i in infos):
-            infos = snapshot_download(repo, allow_patterns=list(patterns + LEGACY_WEIGHTS), dry_run=True)
+        yield
+    except HubError:
+        raise
     except Exception as exc:
         if not _is_hub_failure(exc):
             raise
         raise HubError(explain(repo, exc)) from exc
+
+
+def list_files(repo: str, patterns: tuple[str, ...] = MODEL_FILES) -> list[HubFile]:
+    """The repository's model files, their sizes and whether each is cached (a dry run: nothing written)."""
+    from huggingface_hub import snapshot_download
+
+    with _as_hub_error(repo):
+        infos = snapshot_download(repo, allow_patterns=list(patterns), dry_run=True)
+        if not any(i.filename.endswith(".safetensors") for i in infos):
+            infos = snapshot_download(repo, allow_patterns=list(patterns + LEGACY_WEIGHTS), dry_run=True)
     return [HubFile(i.filename, int(i.file_size or 0), bool(i.is_cached)) for i in infos]
 
 
 def _one_set_of_weights(repo: str, files: list[HubFile]) -> list[HubFile]:
     """Where an index names the weight shards (model.safetensors.index.json), those and no other weights
     (some repositories also ship a consolidated copy, which would download and be sized twice)."""
-    import json as _json
-
     index = next((f for f in files if f.name.endswith(".safetensors.index.json")), None)
     if index is None:
         return files
     from huggingface_hub import hf_hub_download
 
     try:
-        listed = set(_json.loads(Path(hf_hub_download(repo, index.name)).read_text())["weight_map"].values())
+        listed = set(json.loads(Path(hf_hub_download(repo, index.name)).read_text())["weight_map"].values())
     except Exception:  # noqa: BLE001 - an unreadable index: keep every file
         return files
     return [f for f in files if not f.name.endswith((".safetensors", ".bin")) or f.name in listed]
@@ -221,29 +230,24 @@ def fetch_model(repo: str, device: torch.device, dtype: torch.dtype, progress: P
     if not files:
         raise HubError(f"{repo} holds no model files (config.json, weights) that SpecLens can load.")
     stored = None
-    config_file = next((f for f in files if f.name == "config.json"), None)
-    if config_file is not None:
-        try:
+    if any(f.name == "config.json" for f in files):
+        with _as_hub_error(repo):
             config = json.loads(Path(hf_hub_download(repo, "config.json")).read_text())
-            stored = config.get("torch_dtype") or config.get("dtype") or (config.get("text_config") or {}).get("dtype")
-        except Exception as exc:
-            if not _is_hub_failure(exc):
-                raise
-            raise HubError(explain(repo, exc)) from exc
+        stored = config.get("torch_dtype") or config.get("dtype") or (config.get("text_config") or {}).get("dtype")
     line, refusal = fits(repo, files, stored, torch.device("cpu") if offload else device, dtype, Path(HF_HUB_CACHE))
     progress(line, None)
     if refusal:
         raise HubError(refusal)
     total = sum(f.size for f in files if not f.cached and f.name != "config.json")  # that one is already here
-    done, start, last = 0, time.monotonic(), [0.0]
+    done, start, last = 0, time.monotonic(), 0.0
 
     def on_bytes(n: int) -> None:
-        nonlocal done
+        nonlocal done, last
         done += n
         now = time.monotonic()
-        if now - last[0] < REPORT_EVERY_S and done < total:
+        if now - last < REPORT_EVERY_S and done < total:
             return
-        last[0] = now
+        last = now
         rate = done / max(now - start, 1e-6)
         left = (total - done) / rate if rate > 0 else float("inf")
         eta = f"{left / 60:.0f} min left" if left >= 90 else f"{left:.0f} s left"
@@ -253,12 +257,8 @@ def fetch_model(repo: str, device: torch.device, dtype: torch.dtype, progress: P
     folder = None
     counter = _byte_counter(on_bytes)
     for f in files:
-        try:
+        with _as_hub_error(repo):
             path = hf_hub_download(repo, f.name, tqdm_class=counter)
-        except Exception as exc:
-            if not _is_hub_failure(exc):  # a stop raised by `progress` passes through as it was raised
-                raise
-            raise HubError(explain(repo, exc)) from exc
         folder = Path(path).parents[len(Path(f.name).parts) - 1]  # the snapshot folder
     progress(f"Downloaded {repo}", 1.0)
     return folder

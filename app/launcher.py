@@ -40,17 +40,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _leave_on_ctrl_c(_signum, _frame) -> None:
+    """Ctrl-C in a command: leave at once with status 130. Raising KeyboardInterrupt instead can land
+    inside an import that swallows it (numpy's, seen here), leaving a half-imported module that fails
+    later with a traceback; and nothing a command holds needs saving: files are written whole (temp
+    file + rename), shards and the history as they go. The window installs its own handler once it is
+    up (app.main: Ctrl-C closes it as its close button does)."""
+    try:
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+    except (OSError, RuntimeError, ValueError):  # a write interrupted midway: leave anyway
+        pass
+    os._exit(130)
+
+
 def entry() -> None:
-    """The `speclens` console script. An interrupted run leaves with status 130 at once: CPython kills
-    itself with SIGINT at exit (status -2, whatever caught the interrupt) when Ctrl-C landed while an
-    extension ran Python code during an import. Once main() has returned, a late Ctrl-C is ignored,
-    so the status is main()'s."""
+    """The `speclens` console script. Once main() has returned, a late Ctrl-C is ignored, so the status
+    is main()'s."""
+    signal.signal(signal.SIGINT, _leave_on_ctrl_c)
     code = main()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if code == 130:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
     sys.exit(code)
 
 

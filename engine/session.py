@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,6 +173,15 @@ class Engine:
     @property
     def methods(self) -> tuple[str, ...]:
         return ("ar", *self._drafters)
+
+    @contextmanager
+    def extra_drafter(self, method: str, drafter: Drafter | TreeDrafter) -> Iterator[None]:
+        """Offer `drafter` as `method` for the duration (the benchmark's synthetic drafters)."""
+        self._drafters[method] = drafter
+        try:
+            yield
+        finally:
+            del self._drafters[method]
 
     def drafter(self, method: str) -> Drafter | TreeDrafter | None:
         if method == "ar":

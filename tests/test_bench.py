@@ -330,3 +330,59 @@ def test_bad_bench_flags_get_one_line_before_any_model_loads(flags, words, capsy
     assert cmd_bench(build_parser().parse_args(["bench", *flags]), engine_factory=no_load) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("error:") and words in error and "\n" not in error
+
+
+def test_synthetic_methods_run_beside_plain_decoding_and_stay_exact(engine):
+    """`synthetic@A` in --methods: the synthetic drafter over the target's own greedy answer; a = 1 accepts
+    every drafted token (K + 1 a step), a = 0 none (one a step), and both give plain decoding's tokens."""
+    report = run_bench(engine, PROMPTS[:2], BenchOptions(methods=("synthetic@1.0", "synthetic@0"), max_new_tokens=16,
+                                                         k=3, warmup=False))
+    assert list(report.methods) == ["ar", "synthetic@1.0", "synthetic@0"]
+    for name in ("synthetic@1.0", "synthetic@0"):
+        assert report.methods[name].equal_to_ar is True and report.methods[name].identical_share == 1.0
+    assert report.methods["synthetic@1.0"].tau == pytest.approx(16 / 4)  # 16 tokens in 4 steps of K + 1 = 4
+    assert report.methods["synthetic@0"].tau == pytest.approx(1.0)
+    assert report.settings["runtime"] == engine.target_lm.runtime == "static-cache forward"
+    with pytest.raises(ValueError, match="temperature 0"):
+        run_bench(engine, PROMPTS[:1], BenchOptions(methods=("synthetic@0.5",), max_new_tokens=4,
+                                                    sampling=SamplingParams(temperature=1.0), warmup=False))
+
+
+@pytest.mark.parametrize("method", ["synthetic@", "synthetic@1.5", "synthetic@x"])
+def test_malformed_synthetic_methods_get_one_line(method, capsys):
+    from speclens.engine.tools.bench import cmd_bench
+
+    def no_load(_):
+        raise AssertionError("a model was loaded")
+
+    assert cmd_bench(build_parser().parse_args(["bench", "--methods", method]), engine_factory=no_load) == 2
+    error = capsys.readouterr().err.strip()
+    assert "synthetic@0.8" in error and "\n" not in error
+
+
+def test_a_differing_output_is_explained_with_the_targets_probabilities(engine, monkeypatch):
+    """The bench says where an output first differs from plain decoding and how close the target's two
+    choices were there; the identical share counts the prompts that agree."""
+    from speclens.engine.tools import bench
+
+    real = bench.run_ours
+
+    def flip_one(engine_, method, ids, options, seed, max_new):  # a method whose 6th token differs on prompt 1
+        run = real(engine_, method, ids, options, seed, max_new)
+        if method == "lookup" and ids == engine_.encode_chat([{"role": "user", "content": PROMPTS[1].turns[0]}]):
+            tokens = list(run.tokens)
+            tokens[5] = (tokens[5] + 1) % engine_.target_lm.n_vocab
+            run = bench.replace(run, tokens=tuple(tokens))
+        return run
+
+    monkeypatch.setattr(bench, "run_ours", flip_one)
+    report = run_bench(engine, PROMPTS[:2], BenchOptions(methods=("lookup",), max_new_tokens=10, warmup=False))
+    lookup = report.methods["lookup"]
+    assert lookup.equal_to_ar is False and lookup.identical_share == 0.5
+    (note,) = lookup.diverged
+    plain = next(r.tokens for r in report.runs if r.method == "ar" and r.prompt == 1)
+    ids = engine.encode_chat([{"role": "user", "content": PROMPTS[1].turns[0]}])
+    p_target = torch.softmax(CachedModel(engine.target.model).forward(ids + list(plain[:5]), [], 1)[0], -1)
+    assert note == (f"prompt 1: diverged at token 5: near-tie of p={p_target[plain[5]]:.4f} (plain's token) vs "
+                    f"p={p_target[(plain[5] + 1) % engine.target_lm.n_vocab]:.4f} (this method's)")
+    assert "NO (50% identical)" in markdown(report) and note in markdown(report)

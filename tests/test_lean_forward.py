@@ -117,8 +117,8 @@ def test_lean_forward_without_hidden_states_gives_the_same_logits():
 
 def test_lean_forward_only_where_it_applies():
     stock = tiny_llama()
-    assert lean_forward_for(stock) is None  # PyTorch's kernels: HF's forward
-    assert CachedModel(stock).lean is None
+    assert lean_forward_for(stock) is None  # PyTorch's kernels: the static-cache forward in PyTorch
+    assert CachedModel(stock).runtime == "static-cache forward"
     native_or_skip()
     bfloat16_panels = tiny_llama()
     use_native_linears(bfloat16_panels, native, bfloat16=True)
@@ -127,7 +127,8 @@ def test_lean_forward_only_where_it_applies():
     for layer in biased.model.layers:
         layer.self_attn.q_proj.bias = torch.nn.Parameter(torch.zeros(layer.self_attn.q_proj.out_features))
     _use_cpu_kernels(biased, "native", torch.float32, lambda *a: None)
-    assert lean_forward_for(biased) is None  # a bias: HF's forward
+    assert lean_forward_for(biased) is None  # a bias: the static-cache forward, on the native linears
+    assert CachedModel(biased).runtime == "static-cache forward"
     gelu = _native_tiny()
     gelu.config.hidden_act = "gelu"
     assert lean_forward_for(gelu) is None

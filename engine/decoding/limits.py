@@ -36,7 +36,7 @@ OVERFLOW_LABELS = {
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d{1,3})?")
-_METHOD_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
+_METHOD_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}(@[0-9.]{1,8})?")  # synthetic@0.8: a parameter after @
 
 
 class SettingError(ValueError):

@@ -17,6 +17,7 @@ from transformers.cache_utils import DynamicLayer
 
 from speclens.engine.runtime.lean_forward import lean_forward_for
 from speclens.engine.runtime.masks import node_depths, tree_attention
+from speclens.engine.runtime.static_forward import StaticLlamaForward, static_forward_for, why_not_static
 
 # Tokens per prefill forward: a 10k-token prompt then answers Stop and Ctrl-C between chunks (about
 # 0.4 s each for the default model on 2 cores), and the attention's scores stay [chunk, context].
@@ -89,7 +90,8 @@ class AppendLayer(DynamicLayer):
             capacity = max(2 * end, 256)
             grown = []
             for old, like in ((self.keys, key_like), (self.values, value_like)):
-                buffer = like.new_empty(*like.shape[:-2], capacity, like.shape[-1])  # [B, H, capacity, D]
+                # zeros, not garbage: a graph step reads every slot under its mask, and NaN * 0 is NaN
+                buffer = like.new_zeros(*like.shape[:-2], capacity, like.shape[-1])  # [B, H, capacity, D]
                 if n:
                     buffer[..., :n, :] = old
                 grown.append(buffer)
@@ -123,10 +125,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next(i for i in range(n) if a[i] != b[i])
 
 
-def new_cache(config) -> DynamicCache:
-    """HF's DynamicCache with its full-attention layers appending in place (other kinds unchanged)."""
+def new_cache(config, every_layer: bool = False) -> DynamicCache:
+    """HF's DynamicCache with its full-attention layers appending in place (other kinds unchanged), or
+    with `every_layer` all of them (the static-cache forward masks sliding windows itself)."""
     cache = DynamicCache(config=config)
-    cache.layers = [AppendLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [AppendLayer() if every_layer or type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
 
 
@@ -143,7 +146,6 @@ class CachedModel:
         # Logits are cut to the tokenizer's vocabulary so that padding ids are never sampled.
         self.n_vocab = n_vocab or model.config.get_text_config().vocab_size
         self.cached_ids: list[int] = []
-        self._cache = new_cache(model.config)
         # Positions the model was trained for (None where the config does not say): decoding stops there.
         text_config = model.config.get_text_config()
         limit = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
@@ -153,12 +155,25 @@ class CachedModel:
         self.keep_hidden = False
         self.hidden: torch.Tensor | None = None
         self.hidden_start = self.hidden_end = 0
-        # HF's decoder math without most of its Python, where the model runs on the native kernels
-        self.lean = lean_forward_for(model)
+        # The forward every step runs: the whole decoder in one native call where the model runs on the
+        # native CPU kernels; else the static-cache forward (CUDA graphs on a GPU) for the Llama family;
+        # else HF's own (`runtime` says which, and why).
+        self.lean = lean_forward_for(model) or static_forward_for(model)
+        self._cache = new_cache(model.config, self.lean is not None)
+
+    @property
+    def runtime(self) -> str:
+        """Which forward runs this model, in words (the benchmark and `speclens doctor` print it)."""
+        if isinstance(self.lean, StaticLlamaForward):
+            return "static-cache forward" + (" with CUDA graphs" if self.lean.graphs else "")
+        if self.lean is not None:
+            return "native lean forward"
+        why = why_not_static(self.model)
+        return "HF forward" + (f" (the static-cache forward does not run it: {why})" if why else "")
 
     def reset(self) -> None:
         self.cached_ids = []
-        self._cache = new_cache(self.model.config)
+        self._cache = new_cache(self.model.config, self.lean is not None)
 
     def common_prefix(self, ids: list[int]) -> int:
         return common_prefix(self.cached_ids, ids)
@@ -212,11 +227,11 @@ class CachedModel:
         keep = min(self.common_prefix(ids), len(ids) - n_logits)
         self.truncate(keep)
         new = ids[keep:]
-        input_ids = torch.tensor([new], dtype=torch.long, device=self.device)
-        if self.lean is not None:
-            logits, hidden = self.lean(input_ids[0], torch.arange(keep, len(ids)), None, self._cache, n_logits,
+        if self.lean is not None:  # host tensors: the forward moves what it needs
+            logits, hidden = self.lean(torch.tensor(new), torch.arange(keep, len(ids)), None, self._cache, n_logits,
                                        self.keep_hidden)
         else:
+            input_ids = torch.tensor([new], dtype=torch.long, device=self.device)
             out = self.model(
                 input_ids=input_ids,
                 cache=self._cache,
@@ -272,14 +287,14 @@ class CachedModel:
         allowed[n_lin:, keep + n_lin :] = tree_attention(parents)
         depths = torch.tensor(node_depths(parents))
         position_ids = torch.cat([torch.arange(keep, keep + n_lin), keep + n_lin + depths])  # [Q]
-        input_ids = torch.tensor(linear + tree_tokens, dtype=torch.long, device=self.device)  # [Q]
+        input_ids = torch.tensor(linear + tree_tokens, dtype=torch.long)  # [Q]
         if self.lean is not None:
             logits, hidden = self.lean(input_ids, position_ids, allowed, self._cache, n_tree, self.keep_hidden)
         else:
             dtype = next(self.model.parameters()).dtype
             mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
             out = self.model(
-                input_ids=input_ids[None],
+                input_ids=input_ids[None].to(self.device),
                 attention_mask=mask[None, None].to(self.device),  # [1, 1, Q, KV] additive
                 position_ids=position_ids[None].to(self.device),
                 cache=self._cache,
@@ -304,7 +319,7 @@ class CachedModel:
             src = [root + node for node in path]
             dst = list(range(root + 1, root + 1 + len(path)))
             if self.lean is not None:  # every layer an AppendLayer whose buffers the lean forward filled
-                self.lean.kernel.move_rows([buffer for layer in self._cache.layers for buffer in layer.buffers], src, dst)
+                self.lean.move_rows([buffer for layer in self._cache.layers for buffer in layer.buffers], src, dst)
             else:
                 src, dst = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
                 for layer in self._cache.layers:

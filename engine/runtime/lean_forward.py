@@ -69,6 +69,9 @@ class LeanLlamaForward:
                 layer.advance(end)
         return logits, hidden if keep_hidden else None
 
+    def move_rows(self, buffers: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
+        """Copy cache rows src -> dst (ascending, towards the start) in every buffer [1, KV, capacity, D]."""
+        self.kernel.move_rows(buffers, src, dst)
 
     def rotations(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] of the rotary embedding at position_ids [T]: rows of a table HF's rotary module

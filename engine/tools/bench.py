@@ -490,6 +490,8 @@ def describe_target(engine) -> str:
                                               if stock else "")
         if mkl:
             kernels += f", blocks on MKL-packed weights in {mkl} of {len(layers)}"
+    if not kernels or engine.target_lm.lean is None:  # not the native decoder: say which forward runs
+        kernels += f", {engine.target_lm.runtime}"
     return f"{describe_device(engine.target.device)}, {str(engine.target.model.dtype).removeprefix('torch.')}{kernels}"
 
 

@@ -66,6 +66,12 @@ def diagnose() -> list[tuple[str, str, bool]]:
     cuda = torch.cuda.is_available()
     rows.append(("cuda", f"yes: {torch.cuda.get_device_name(0)}" if cuda else
                  f"no (torch {torch.__version__}{' is a CPU build' if '+cpu' in torch.__version__ else ''})", True))
+    if cuda:
+        from speclens.engine.runtime.static_forward import graphs_enabled
+
+        graphs = graphs_enabled(torch.device("cuda"))
+        rows.append(("gpu forward", "static-cache forward with CUDA graphs for Llama, Mistral, Qwen2 and Qwen3 targets"
+                     if graphs else "static-cache forward, eager (SPECLENS_CUDA_GRAPHS=0)", True))
     rows.append(("mps", "yes" if torch.backends.mps.is_available() else "no", True))
     rows.append(("cpu threads", str(torch.get_num_threads()), True))
     packed = [str(dtype).removeprefix("torch.") for dtype in (torch.float32, torch.bfloat16) if packed_kernels_work(dtype)]

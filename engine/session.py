@@ -341,6 +341,7 @@ def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
     `budget` nodes, cut to the nodes worth verifying at `cost` (keep_worthwhile; not the chain), and the
     grafted tree skips the head where lookup's chain alone is worth verifying at `lookup_cost`."""
     from speclens.engine.drafters.eagle import EagleDrafter, EagleHead
+    from speclens.engine.drafters.eagle3 import Eagle3Head, is_eagle3
     from speclens.engine.drafters.medusa import MedusaDrafter, MedusaHeads, sparse_tree_paths
 
     text_config = target.model.config.get_text_config()
@@ -354,9 +355,14 @@ def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
             else:
                 paths = heads.config.get("medusa_choices") or DEFAULT_TREE_PATHS
             return {"medusa": MedusaDrafter(heads, target, TreeShape.from_paths(paths), step_cost=cost)}
-        head = EagleHead.load(folder)
+        if is_eagle3(config):
+            head3 = Eagle3Head.load(folder)
+        else:
+            head = EagleHead.load(folder)
     except UNREADABLE_WEIGHTS as exc:
         raise EngineError(f"Could not load the heads in {folder}: {exc}") from exc
+    if is_eagle3(config):
+        return _eagle3_drafters(folder, head3, target, budget, cost)
     for what, own, target_value in (("width", head.config.hidden_size, text_config.hidden_size),
                                      ("vocabulary", head.config.vocab_size, text_config.vocab_size)):
         if own != target_value:
@@ -368,6 +374,27 @@ def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
         "eagle_chain": EagleDrafter(head, target, shape=TreeShape.from_paths(CHAIN_PATHS), name="eagle_chain"),
         "eagle_lookup": LookupGraftedDrafter(tree, "eagle_lookup", store, LOOKUP_CHAIN_TOKENS, STORE_CHAIN_TOKENS, cost,
                                              lookup_cost),
+    }
+
+
+def _eagle3_drafters(folder: Path, head, target: CachedModel, budget: int,
+                     cost: StepCost | None) -> dict[str, TreeDrafter]:
+    """The methods an EAGLE-3 head adds: its dynamic tree (`eagle3`) and its chain (`eagle3_chain`)."""
+    from speclens.engine.drafters.eagle3 import Eagle3Drafter
+
+    text_config = target.model.config.get_text_config()
+    for what, own, target_value in (("width", head.target_hidden_size, text_config.hidden_size),
+                                    ("vocabulary", head.config.vocab_size, text_config.vocab_size)):
+        if own != target_value:
+            raise EngineError(f"The EAGLE-3 head in {folder} reads a target of {what} {own}, this one has "
+                              f"{target_value}: it was trained for another model.")
+    layers = head.layers_for(text_config.num_hidden_layers)
+    if any(not 0 <= j < text_config.num_hidden_layers for j in layers):
+        raise EngineError(f"The EAGLE-3 head in {folder} reads target layers {layers}; this target has "
+                          f"{text_config.num_hidden_layers}: it was trained for another model.")
+    return {
+        "eagle3": Eagle3Drafter(head, target, top_k=eagle_top_k(budget), budget=budget, step_cost=cost),
+        "eagle3_chain": Eagle3Drafter(head, target, shape=TreeShape.from_paths(CHAIN_PATHS), name="eagle3_chain"),
     }
 
 

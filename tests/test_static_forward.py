@@ -177,11 +177,11 @@ def test_graph_path_pads_masks_and_regrows_like_the_eager_path(monkeypatch):
     try:
         random_walk(graphed, model, steps=120, seed=11, check_every=10)
         graphs = graphed._cache.__dict__["speclens_graphs"]
-        assert {size for size, _ in graphs} <= set(static_forward.GRAPH_SIZES) and len(graphs) >= 3
+        assert {size for size, _, _ in graphs} <= set(static_forward.GRAPH_SIZES) and len(graphs) >= 3
         long = list(range(90)) * 4  # 360 slots: past the first capacity of 256
         graphed.prefill(long)
         torch.testing.assert_close(graphed.forward(long, [], 1), hf_logits(model, long)[-1:], atol=ATOL, rtol=0)
-        assert {capacity for _, capacity in graphs} == {graphed._cache.layers[0].buffers[0].shape[-2]}
+        assert {capacity for _, capacity, _ in graphs} == {graphed._cache.layers[0].buffers[0].shape[-2]}
     finally:
         graphed.lean.graphs = False
 

@@ -24,7 +24,8 @@ MAX_TREE_BUDGET = 128  # the head's draft-tree nodes per step (eagle_lookup's gr
 MAX_STOP_STRINGS = 16
 
 # Every method name some engine can offer; which ones a loaded pair offers is Engine.methods.
-KNOWN_METHODS = ("ar", "lookup", "rest", "draft", "tree", "eagle", "eagle_chain", "eagle_lookup", "medusa")
+KNOWN_METHODS = ("ar", "lookup", "rest", "draft", "tree", "eagle", "eagle_chain", "eagle_lookup", "eagle3", "eagle3_chain",
+                 "medusa")
 DRAFT_MODEL_METHODS = ("draft", "tree")  # need a second model
 
 # What happens when a prompt or conversation does not fit the model's context (session.fit_prompt).

@@ -184,11 +184,20 @@ class EagleDrafter(DraftModelTreeDrafter):
         self.feature_ids: list[int] = []
         self.cache = AppendLayer()  # the head layer's keys and values, [1, kv heads, n, D]
         self.cache_ids: list[int] = []  # ids[: n + 1] for n committed cache entries
-        # the token ids the head drafts (None: all), and H -> N: the LM head's rows for them
-        self._vocab, self._rows = draft_vocab_rows(target, head.draft_vocab)
+        # the token ids the head drafts (None: all), and H -> N: the scores of those tokens
+        self._vocab, self._rows = self._scoring(head, target)
         self._f_hat: dict[int, torch.Tensor] = {}  # per proposal: node -> its predicted feature [H]
         self._fed: list[int] = []  # per proposal: tree nodes in the cache, in cache order after the committed
         target.keep_hidden = True
+
+    def _scoring(self, head: nn.Module, target: CachedModel) -> tuple[torch.Tensor | None, nn.Module]:
+        """(the token ids [N] the head drafts, None for all; features [n, H] -> their logits [n, N]): the
+        target's LM head rows, as EAGLE-1 reuses it."""
+        return draft_vocab_rows(target, head.draft_vocab)
+
+    def _target_features(self, start: int, end: int) -> torch.Tensor | None:
+        """The target features the head reads at positions start..end-1 (its final hidden states)."""
+        return self.target.hidden_at(start, end)
 
     def prefill(self, ids: list[int]) -> None:
         if len(ids) >= 3:  # the last committed entry is left for the first proposal, which needs its output
@@ -207,12 +216,12 @@ class EagleDrafter(DraftModelTreeDrafter):
         have = common_prefix(self.feature_ids, want)
         if have == len(want) and self.features is not None:
             return self.features[:have]
-        fresh = self.target.hidden_at(have, len(want))
+        fresh = self._target_features(have, len(want))
         if fresh is None or self.target.cached_ids[: len(want)] != want:
             # the target's latest forward did not cover the gap: re-feed it (the cache stays ids[:-1])
             self.target.truncate(min(have, self.target.common_prefix(want)))
             self.target.prefill([*want, want[-1]])  # in chunks (bounded memory), keeping every chunk's features
-            fresh = self.target.hidden_at(have, len(want))
+            fresh = self._target_features(have, len(want))
         kept = self.features[:have] if self.features is not None else fresh[:0]
         self.features = torch.cat([kept, fresh])  # [len(want), H]
         self.feature_ids = list(want)

@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from speclens.engine.runtime.lean_forward import lean_forward_for
+from speclens.engine.runtime.lean_forward import LeanLlamaForward, lean_forward_for
 from speclens.engine.runtime.masks import node_depths, tree_attention
 from speclens.engine.runtime.static_forward import StaticLlamaForward, static_forward_for, why_not_static
 
@@ -155,6 +155,10 @@ class CachedModel:
         self.keep_hidden = False
         self.hidden: torch.Tensor | None = None
         self.hidden_start = self.hidden_end = 0
+        # Opt-in for EAGLE-3 heads (request_features): the hidden states of these layers (HF's
+        # hidden_states indices) are kept too, `hidden` then being [n, (1 + len(feature_layers)) H].
+        self.feature_layers: tuple[int, ...] = ()
+        self.hidden_size = model.config.get_text_config().hidden_size
         # The forward every step runs: the whole decoder in one native call where the model runs on the
         # native CPU kernels; else the static-cache forward (CUDA graphs on a GPU) for the Llama family;
         # else HF's own (`runtime` says which, and why).
@@ -170,6 +174,19 @@ class CachedModel:
             return "native lean forward"
         why = why_not_static(self.model)
         return "HF forward" + (f" (the static-cache forward does not run it: {why})" if why else "")
+
+    def request_features(self, layers: Sequence[int]) -> None:
+        """Keep the hidden states of `layers` (HF's hidden_states indices: 0 the embeddings, j the output of
+        layer j - 1) of every position fed, beside the final ones (features_at). The native lean forward
+        returns only the final states, so a target on it moves to the static-cache forward over the same
+        native linears and the same cache buffers (the cache stays valid)."""
+        top = self.model.config.get_text_config().num_hidden_layers
+        if any(not 0 <= j <= top for j in layers):
+            raise ValueError(f"feature layers {tuple(layers)} are not hidden-state indices 0..{top} of this model")
+        self.feature_layers = tuple(sorted(set(self.feature_layers) | set(layers)))
+        self.keep_hidden = True
+        if isinstance(self.lean, LeanLlamaForward):
+            self.lean = static_forward_for(self.model)
 
     def reset(self) -> None:
         self.cached_ids = []
@@ -229,7 +246,7 @@ class CachedModel:
         new = ids[keep:]
         if self.lean is not None:  # host tensors: the forward moves what it needs
             logits, hidden = self.lean(torch.tensor(new), torch.arange(keep, len(ids)), None, self._cache, n_logits,
-                                       self.keep_hidden)
+                                       self.keep_hidden, self.feature_layers)
         else:
             input_ids = torch.tensor([new], dtype=torch.long, device=self.device)
             out = self.model(
@@ -239,7 +256,7 @@ class CachedModel:
                 logits_to_keep=n_logits,
                 output_hidden_states=self.keep_hidden,
             )
-            logits, hidden = out.logits[0, -n_logits:], out.hidden_states[-1][0] if self.keep_hidden else None
+            logits, hidden = out.logits[0, -n_logits:], self._hf_hidden(out)
         if self.keep_hidden:
             self.hidden, self.hidden_start, self.hidden_end = hidden, keep, len(ids)
         self.cached_ids.extend(new)
@@ -289,7 +306,8 @@ class CachedModel:
         position_ids = torch.cat([torch.arange(keep, keep + n_lin), keep + n_lin + depths])  # [Q]
         input_ids = torch.tensor(linear + tree_tokens, dtype=torch.long)  # [Q]
         if self.lean is not None:
-            logits, hidden = self.lean(input_ids, position_ids, allowed, self._cache, n_tree, self.keep_hidden)
+            logits, hidden = self.lean(input_ids, position_ids, allowed, self._cache, n_tree, self.keep_hidden,
+                                       self.feature_layers)
         else:
             dtype = next(self.model.parameters()).dtype
             mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
@@ -302,7 +320,7 @@ class CachedModel:
                 logits_to_keep=n_tree,
                 output_hidden_states=self.keep_hidden,
             )
-            logits, hidden = out.logits[0, -n_tree:], out.hidden_states[-1][0] if self.keep_hidden else None
+            logits, hidden = out.logits[0, -n_tree:], self._hf_hidden(out)
         if self.keep_hidden:  # rows: the linear part, then one per tree node (only the root is linear)
             self.hidden, self.hidden_start, self.hidden_end = hidden, keep, len(context)
         self.cached_ids.extend(linear + tree_tokens[:1] + [TREE_SLOT] * (n_tree - 1))
@@ -335,13 +353,34 @@ class CachedModel:
             self.hidden = torch.cat([self.hidden[: n_lin + 1], self.hidden[rows]])
             self.hidden_end = root + 1 + len(path)
 
-    def hidden_at(self, start: int, end: int) -> torch.Tensor | None:
-        """Final hidden states [end - start, H] of cached positions start..end-1, if the latest
-        forward kept them (keep_hidden) and they are still cached; else None."""
+    def _hf_hidden(self, out) -> torch.Tensor | None:
+        """From HF's output: final hidden states [T, H], then those of feature_layers, as one [T, (1 + n) H]."""
+        if not self.keep_hidden:
+            return None
+        states = out.hidden_states
+        return torch.cat([states[-1][0], *(states[j][0] for j in self.feature_layers)], dim=-1)
+
+    def _kept(self, start: int, end: int) -> torch.Tensor | None:
         valid_end = min(self.hidden_end, len(self.cached_ids))
         if self.hidden is None or not self.hidden_start <= start <= end <= valid_end:
             return None
         return self.hidden[start - self.hidden_start : end - self.hidden_start]
+
+    def hidden_at(self, start: int, end: int) -> torch.Tensor | None:
+        """Final hidden states [end - start, H] of cached positions start..end-1, if the latest
+        forward kept them (keep_hidden) and they are still cached; else None."""
+        kept = self._kept(start, end)
+        return None if kept is None else kept[:, : self.hidden_size]
+
+    def features_at(self, start: int, end: int, layers: Sequence[int]) -> torch.Tensor | None:
+        """Hidden states of `layers` (asked for with request_features) at cached positions start..end-1,
+        side by side: [end - start, len(layers) H]; None where hidden_at would be."""
+        kept = self._kept(start, end)
+        if kept is None:
+            return None
+        h = self.hidden_size
+        blocks = [(1 + self.feature_layers.index(j)) * h for j in layers]
+        return torch.cat([kept[:, b : b + h] for b in blocks], dim=-1)
 
     def _tree_root(self) -> int:
         """Slot of the root of the tree held after forward_tree (the last non-TREE_SLOT slot)."""

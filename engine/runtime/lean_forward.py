@@ -47,10 +47,15 @@ class LeanLlamaForward:
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # rotary cos, sin [n, D] (rotations)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, allowed: torch.Tensor | None,
-                 cache, n_logits: int, keep_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 cache, n_logits: int, keep_hidden: bool,
+                 features: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, position_ids [T]; allowed [T, S] bool (the keys each new token may see, S = cached +
         T) or None for causal; cache: an engine.cache cache whose layers are AppendLayers.
-        Returns logits [n_logits, V] of the last rows and, if keep_hidden, final hidden states [T, H]."""
+        Returns logits [n_logits, V] of the last rows and, if keep_hidden, final hidden states [T, H]. The
+        native decoder returns no other layer's states: `features` must be empty (CachedModel.request_features
+        moves a target to the static-cache forward)."""
+        if features:
+            raise ValueError("the native lean forward returns only the final hidden states")
         with torch.inference_mode():
             x = self.embed(input_ids)  # [T, H]
             cos, sin = self.rotations(x, position_ids)  # [T, D] each

@@ -53,6 +53,7 @@ class _Graph:
 
     size: int
     capacity: int
+    features: tuple[int, ...]  # the layers whose hidden states it returns too
     ids: torch.Tensor  # [size] long
     positions: torch.Tensor  # [size] long
     slots: torch.Tensor  # [size] long: where each row's key and value are written
@@ -84,9 +85,11 @@ class StaticLlamaForward:
         self._pool = None  # one CUDA memory pool for every graph of this model
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, allowed: torch.Tensor | None,
-                 cache, n_logits: int, keep_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 cache, n_logits: int, keep_hidden: bool,
+                 features: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, position_ids [T] (on the CPU); allowed [T, S] bool (S = cached + T) or None for causal.
-        Returns logits [n_logits, V] of the last rows and, if keep_hidden, hidden states [T, H]."""
+        Returns logits [n_logits, V] of the last rows and, if keep_hidden, hidden states [T, H]: the final
+        ones, then those of the `features` layers (HF's hidden_states indices), [T, (1 + n) H]."""
         with torch.inference_mode():
             layers = cache.layers
             cached, t = layers[0].get_seq_length(), input_ids.shape[0]
@@ -95,7 +98,7 @@ class StaticLlamaForward:
                 allowed = torch.ones(t, end, dtype=torch.bool).tril(cached)
             size = next((s for s in GRAPH_SIZES if s >= t), None)
             if self.graphs and size is not None:
-                logits, hidden = self._replay(cache, input_ids, position_ids, allowed, size)
+                logits, hidden = self._replay(cache, input_ids, position_ids, allowed, size, features)
                 logits, hidden = logits[t - n_logits : t].clone(), hidden[:t].clone() if keep_hidden else None
             else:
                 self._reserve(cache, end)
@@ -103,22 +106,26 @@ class StaticLlamaForward:
                 ids, positions, slots, allowed = (tensor.to(self.device) for tensor in (input_ids, position_ids, slots,
                                                                                            allowed))
                 logits, hidden = self.step(ids, positions, slots, allowed, [layer.buffers for layer in layers], end,
-                                           n_logits)
+                                           n_logits, features)
             for layer in layers:
                 layer.advance(end)
         return logits, hidden if keep_hidden else None
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, allowed: torch.Tensor,
-             buffers: list, span: int, n_logits: int) -> tuple[torch.Tensor, torch.Tensor]:
+             buffers: list, span: int, n_logits: int, features: tuple[int, ...] = ()) -> tuple[torch.Tensor, ...]:
         """The decoder stack on ids, positions, slots [T] (device tensors), reading the first `span` slots
         of each layer's buffers (keys, values [1, KV, capacity, D]) under allowed [T, span]: writes the
-        new keys and values at `slots`, returns logits [n_logits, V] and final hidden states [T, H].
+        new keys and values at `slots`, returns logits [n_logits, V] and hidden states [T, (1 + n) H] (the
+        final ones, then the input of each layer in `features`, the final ones again for the last index).
         Nothing here depends on Python state but the shapes, so it can be captured as a graph."""
         t = ids.shape[0]
         x = self.embed(ids)[None]  # [1, T, H]
         cos, sin = self._rotations(x, positions)  # [T, 1, D] each
         masks = {window: self._window_mask(allowed, positions, window, span) for window in set(self.windows)}
-        for layer, (keys, values), window in zip(self.layers, buffers, self.windows):
+        states = {}  # HF's hidden_states index -> [T, H]: the input of that layer
+        for index, (layer, (keys, values), window) in enumerate(zip(self.layers, buffers, self.windows)):
+            if index in features:
+                states[index] = x[0]
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q = attn.q_proj(h).view(t, self.heads, self.head_dim)  # [T, H, D]
@@ -134,7 +141,10 @@ class StaticLlamaForward:
             x = x + attn.o_proj(out.transpose(1, 2).reshape(1, t, self.heads * self.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         hidden = self.norm(x)[0]  # [T, H]
-        return self.head(hidden[t - n_logits :]), hidden
+        logits = self.head(hidden[t - n_logits :])
+        if features:
+            hidden = torch.cat([hidden, *(states.get(j, hidden) for j in features)], dim=-1)
+        return logits, hidden
 
     def move_rows(self, buffers: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
         """Copy cache rows src -> dst (ascending, towards the start) in every buffer [1, KV, capacity, D]."""
@@ -144,7 +154,8 @@ class StaticLlamaForward:
 
     # --- CUDA graphs ------------------------------------------------------------------------
 
-    def _replay(self, cache, input_ids, position_ids, allowed, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay(self, cache, input_ids, position_ids, allowed, size: int,
+                features: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run a step of T <= size tokens as the graph of `size` captured for this cache (captured now if
         new). Padding rows write past the tokens held (slots later steps overwrite) and see only
         themselves; no real row sees them."""
@@ -153,12 +164,12 @@ class StaticLlamaForward:
         self._reserve(cache, cached + size)
         capacity = layers[0].buffers[0].shape[-2]
         graphs = cache.__dict__.setdefault("speclens_graphs", {})  # the graphs bind this cache's buffers
-        graph = graphs.get((size, capacity))
+        graph = graphs.get((size, capacity, features))
         if graph is None:
-            if any(c != capacity for _, c in graphs):  # the cache grew: graphs of its old buffers are stale
+            if any(c != capacity for _, c, _ in graphs):  # the cache grew: graphs of its old buffers are stale
                 graphs.clear()
-            graph = graphs[(size, capacity)] = _Graph(
-                size, capacity, torch.zeros(size, dtype=torch.long, device=self.device),
+            graph = graphs[(size, capacity, features)] = _Graph(
+                size, capacity, features, torch.zeros(size, dtype=torch.long, device=self.device),
                 torch.zeros(size, dtype=torch.long, device=self.device),
                 torch.zeros(size, dtype=torch.long, device=self.device),
                 torch.zeros(size, capacity, dtype=torch.bool, device=self.device))
@@ -187,7 +198,7 @@ class StaticLlamaForward:
         try:
             graph.graph, (graph.logits, graph.hidden) = capture_graph(
                 lambda: self.step(graph.ids, graph.positions, graph.slots, graph.allowed, buffers, graph.capacity,
-                                  graph.size), self.device, self._pool)
+                                  graph.size, graph.features), self.device, self._pool)
         finally:
             self._capturing = False
         graph.keep = self._table  # the rotary table this graph gathers from

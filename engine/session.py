@@ -340,6 +340,7 @@ def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
     chains grafted in, prompt lookup's and the datastore's when there is one) or Medusa; trees of
     `budget` nodes, cut to the nodes worth verifying at `cost` (keep_worthwhile; not the chain), and the
     grafted tree skips the head where lookup's chain alone is worth verifying at `lookup_cost`."""
+    from speclens.engine.drafters.dflash import DFlashHead, is_dflash
     from speclens.engine.drafters.eagle import EagleDrafter, EagleHead
     from speclens.engine.drafters.eagle3 import Eagle3Head, is_eagle3
     from speclens.engine.drafters.medusa import MedusaDrafter, MedusaHeads, sparse_tree_paths
@@ -355,6 +356,8 @@ def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
             else:
                 paths = heads.config.get("medusa_choices") or DEFAULT_TREE_PATHS
             return {"medusa": MedusaDrafter(heads, target, TreeShape.from_paths(paths), step_cost=cost)}
+        if is_dflash(config):
+            return _dflash_drafters(folder, DFlashHead.load(folder), target)
         if is_eagle3(config):
             head3 = Eagle3Head.load(folder)
         else:
@@ -375,6 +378,24 @@ def _head_drafters(folder: Path, config: dict, target: CachedModel, budget: int,
         "eagle_lookup": LookupGraftedDrafter(tree, "eagle_lookup", store, LOOKUP_CHAIN_TOKENS, STORE_CHAIN_TOKENS, cost,
                                              lookup_cost),
     }
+
+
+def _dflash_drafters(folder: Path, head, target: CachedModel) -> dict[str, Drafter]:
+    """The method a DFlash head adds: `dflash`, a chain of up to block_size - 1 tokens from one forward."""
+    from speclens.engine.drafters.dflash import DFlashDrafter
+
+    text_config = target.model.config.get_text_config()
+    layers = head.layer_ids_for(text_config.num_hidden_layers)
+    problems = [f"reads a target of width {head.target_hidden_size}, this one has {text_config.hidden_size}"
+                if head.target_hidden_size != text_config.hidden_size else "",
+                f"reads target layers {layers}, this target has {text_config.num_hidden_layers}"
+                if any(not 0 <= i < text_config.num_hidden_layers for i in layers) else "",
+                f"uses mask token {head.mask_token_id}, past this target's {text_config.vocab_size} embeddings"
+                if not 0 <= head.mask_token_id < text_config.vocab_size else ""]
+    problem = next((p for p in problems if p), None)
+    if problem:
+        raise EngineError(f"The DFlash drafter in {folder} {problem}: it was trained for another model.")
+    return {"dflash": DFlashDrafter(head, target)}
 
 
 def _eagle3_drafters(folder: Path, head, target: CachedModel, budget: int,

@@ -19,7 +19,7 @@ PROMPTS = [
     Prompt("copy", ("The capital of France is Paris. The capital of Italy is Rome.",)),
 ]
 REQUIRED = {"tokens_per_s", "speedup_vs_ar", "tau", "equal_to_ar", "per_position_acceptance", "new_tokens", "seconds",
-            "accepted_by", "identical_share", "diverged"}
+            "accepted_by", "identical_share", "diverged", "draft_ms_per_step"}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +69,8 @@ def test_json_has_the_documented_form(greedy_report, tmp_path):
         assert set(per_method["ar"]) == REQUIRED
     assert data["methods"]["ar"]["accepted_by"] == {}
     assert all(r["identical_share"] == 1.0 and r["diverged"] == [] for r in data["methods"].values())
+    assert data["methods"]["hf_generate"]["draft_ms_per_step"] is None  # not ours to time
+    assert data["methods"]["draft"]["draft_ms_per_step"] > data["methods"]["ar"]["draft_ms_per_step"] >= 0
     lookup = data["methods"]["lookup"]
     assert set(lookup["accepted_by"]) == {"lookup"} and lookup["accepted_by"]["lookup"] > 0
 

@@ -25,7 +25,7 @@ MAX_STOP_STRINGS = 16
 
 # Every method name some engine can offer; which ones a loaded pair offers is Engine.methods.
 KNOWN_METHODS = ("ar", "lookup", "rest", "draft", "tree", "eagle", "eagle_chain", "eagle_lookup", "eagle3", "eagle3_chain",
-                 "medusa")
+                 "medusa", "dflash")
 DRAFT_MODEL_METHODS = ("draft", "tree")  # need a second model
 
 # What happens when a prompt or conversation does not fit the model's context (session.fit_prompt).

@@ -95,6 +95,7 @@ class Run:
     position_drafted: tuple[int, ...] = ()
     position_accepted: tuple[int, ...] = ()
     accepted_by: tuple[tuple[str, int], ...] = ()  # accepted draft tokens per proposer
+    draft_s: float = 0.0  # seconds spent drafting, within `seconds`
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ class MethodResult:
     seconds: float
     accepted_by: dict[str, int] = field(default_factory=dict)  # accepted draft tokens per proposer
     identical_share: float | None = None  # greedy: share of prompts whose tokens equal ar's
+    draft_ms_per_step: float | None = None  # drafting time per target pass (ours; None for peers)
     diverged: tuple[str, ...] = ()  # greedy: where each differing prompt first differs, and why
 
 
@@ -193,8 +195,10 @@ def run_ours(engine, method: str, ids: list[int], options: BenchOptions, seed: i
     drafted: list[int] = []
     accepted: list[int] = []
     summary = None
+    draft_s = 0.0
     for event in engine.generate_ids(ids, config):
         if isinstance(event, StepEvent):
+            draft_s += event.draft_s
             for i in range(event.drafted):
                 if i == len(drafted):
                     drafted.append(0)
@@ -205,7 +209,7 @@ def run_ours(engine, method: str, ids: list[int], options: BenchOptions, seed: i
             summary = event
     return Run(
         method, -1, "", summary.token_ids, summary.elapsed_s - summary.prefill_s, summary.steps,
-        tuple(drafted), tuple(accepted), summary.accepted_by,
+        tuple(drafted), tuple(accepted), summary.accepted_by, draft_s,
     )
 
 
@@ -450,6 +454,8 @@ def aggregate(runs: Sequence[Run], methods: Sequence[str], greedy: bool) -> dict
             seconds=seconds,
             accepted_by=dict(by.most_common()),
             identical_share=sum(r.tokens == reference.get(r.prompt) for r in mine) / len(mine) if greedy else None,
+            draft_ms_per_step=1000 * sum(r.draft_s for r in mine) / steps
+            if steps and method not in (*HF_METHODS, LLAMA_CPP) else None,
         )
     return results
 
@@ -523,8 +529,9 @@ def markdown(report: BenchReport) -> str:
         + f" on {report.device}; {s['num_prompts']} prompts, max {s['max_new_tokens']} new tokens, "
         f"K={s['k']}, temperature {s['temperature']}",
         "",
-        "| method | tok/s | speedup vs ar | tau | equal to ar | acceptance by position | new tokens | seconds |",
-        "|---|---:|---:|---:|:---:|---|---:|---:|",
+        "| method | tok/s | speedup vs ar | tau | equal to ar | acceptance by position | draft ms/step | new tokens "
+        "| seconds |",
+        "|---|---:|---:|---:|:---:|---|---:|---:|---:|",
     ]
     for name, r in report.methods.items():
         equal = {True: "yes", False: f"NO ({r.identical_share:.0%} identical)" if r.identical_share is not None
@@ -532,7 +539,7 @@ def markdown(report: BenchReport) -> str:
         accept = " ".join(f"{a:.2f}" for a in r.per_position_acceptance) or "-"
         lines.append(
             f"| {name} | {r.tokens_per_s:.1f} | {_fmt(r.speedup_vs_ar, '.2f')}x | {_fmt(r.tau, '.2f')} | {equal} "
-            f"| {accept} | {r.new_tokens} | {r.seconds:.1f} |"
+            f"| {accept} | {_fmt(r.draft_ms_per_step, '.2f')} | {r.new_tokens} | {r.seconds:.1f} |"
         )
     names = list(report.methods)
     lines += ["", "Acceptance by position i: of the steps that drafted more than i tokens, the share that accepted "

@@ -629,7 +629,7 @@ def test_sampled_answers_take_their_temperatures_in_turn(tmp_path, monkeypatch):
 
     seen = []
 
-    def fake_batch(model, prompts, eos_ids, options, temperature, features=True):
+    def fake_batch(model, prompts, eos_ids, options, temperature, features=True, layers=()):
         seen.append((len(prompts), temperature))
         return [{"tokens": torch.tensor([1, 2, 3]), "features": torch.zeros(3, 4), "answer_start": torch.tensor(1)}
                 for _ in prompts]

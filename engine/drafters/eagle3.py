@@ -99,6 +99,10 @@ class Eagle3Head(nn.Module):
         """[N] the target token id of each draft id."""
         return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
+    @draft_vocab.setter
+    def draft_vocab(self, vocab: torch.Tensor) -> None:  # [N] target ids, one per draft id
+        self.d2t = vocab.long() - torch.arange(len(vocab), device=vocab.device)
+
     def layers_for(self, target_layers: int) -> tuple[int, ...]:
         return self.feature_layers or default_feature_layers(target_layers)
 

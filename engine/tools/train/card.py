@@ -54,7 +54,7 @@ def write_card(kind: HeadKind, out: Path, options: TrainOptions, n_train: int, n
 
 Trained by `speclens train-drafter` (self-distillation): the target answered {n_train} training
 prompts with the chat template, greedily{sampled} (up to {options.answer_tokens} new tokens each),
-and the head learned from the target's own final hidden states and next-token distributions.
+and the head learned from {kind.learned_from}.
 Prompts: {prompt_files}{written}; {n_held} other prompts of the files were
 held out for the evaluation below.{extra}{teacher}
 
@@ -81,8 +81,7 @@ Reproduce (from the repository root):
 {command}
 ```
 
-Files: `config.json`, `model.safetensors` (head weights only; the target's embedding and LM head are
-reused), `training.json` (per-epoch loss and the evaluation). Options (paths shortened to their
+Files: `config.json`, `model.safetensors` ({kind.files_note}), `training.json` (per-epoch loss and the evaluation). Options (paths shortened to their
 last part): `{json.dumps(neutral(options))}`.
 """
     (out / "README.md").write_text(text, encoding="utf-8")

@@ -107,7 +107,7 @@ def sample_rows(p: torch.Tensor, generator) -> torch.Tensor:
 
 def distil(model, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], options: TrainOptions,
            on_save: Callable[[list[dict]], object] | None = None, features: bool = True,
-           have_greedy: frozenset[tuple[int, ...]] = frozenset()) -> list[dict]:
+           have_greedy: frozenset[tuple[int, ...]] = frozenset(), layers: tuple[int, ...] = ()) -> list[dict]:
     """[{"prompt", "variant", "tokens" [T] long, "features" [T, H] bf16, "answer_start"}], one per
     (prompt, variant); variant 0 is the greedy answer, 1.. are sampled ones. Resumable per batch.
 
@@ -115,7 +115,8 @@ def distil(model, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], options
     any moment keeps its answers). features=False keeps token ids alone (a data-gathering run: training
     recomputes features from the shards), in their own file beside the data file, saved every
     IDS_SAVE_EVERY_S. Prompts in `have_greedy` (other runs' shards hold their greedy answer) get no greedy
-    answer again: every run adds new data."""
+    answer again: every run adds new data. `layers` (HF hidden_states indices) adds "fused" [T, n H] bf16,
+    those layers' states side by side (what an EAGLE-3 head reads)."""
     import torch
     from tqdm import tqdm
 
@@ -135,7 +136,8 @@ def distil(model, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], options
             break  # out of time: what is done was saved as the last batch ended, and a rerun resumes
         start = time.perf_counter()
         temperature = variant_temperature(options, variant) or None  # None: greedy
-        rows = _distil_batch(model, [prompt_ids[i] for _, i in batch], eos_ids, options, temperature, features)
+        rows = _distil_batch(model, [prompt_ids[i] for _, i in batch], eos_ids, options, temperature, features,
+                             layers)
         for (_, i), row in zip(batch, rows):
             done.append({"prompt": torch.tensor(i), "variant": torch.tensor(variant), **row})
         # The whole file is rewritten each time, so on a fast GPU saving after every batch would
@@ -155,7 +157,7 @@ def distil(model, prompt_ids: list[list[int]], eos_ids: tuple[int, ...], options
 
 
 def _distil_batch(model, prompts: list[list[int]], eos_ids: tuple[int, ...], options: TrainOptions,
-                  temperature: float | None, features: bool = True) -> list[dict]:
+                  temperature: float | None, features: bool = True, layers: tuple[int, ...] = ()) -> list[dict]:
     """The target's answers to `prompts`: greedy, or sampled at `temperature`."""
     import torch
 
@@ -182,12 +184,14 @@ def _distil_batch(model, prompts: list[list[int]], eos_ids: tuple[int, ...], opt
     if not features:
         return [{"tokens": torch.tensor(tokens), "answer_start": torch.tensor(len(ids))}
                 for tokens, ids in zip(fed, prompts)]
-    return _features(model, fed, [len(ids) for ids in prompts], pad)
+    return _features(model, fed, [len(ids) for ids in prompts], pad, layers)
 
 
-def _features(model, sequences: list[list[int]], answer_starts: list[int], pad: int) -> list[dict]:
+def _features(model, sequences: list[list[int]], answer_starts: list[int], pad: int,
+              layers: tuple[int, ...] = ()) -> list[dict]:
     """The target's final hidden state at every position of each sequence, from one teacher-forced
-    forward over the batch: {"tokens" [T], "features" [T, H] bf16, "answer_start"} per sequence."""
+    forward over the batch: {"tokens" [T], "features" [T, H] bf16, "answer_start"} per sequence, and
+    with `layers` "fused" [T, len(layers) H] bf16, those hidden states side by side."""
     import torch
 
     # Right padded, so positions need no shifting: much cheaper than collecting every layer's hidden
@@ -202,15 +206,19 @@ def _features(model, sequences: list[list[int]], answer_starts: list[int], pad: 
     with torch.no_grad():  # not inference_mode: training reads these tensors
         # The decoder alone: its last hidden state is what CachedModel keeps, and the [B, L, V] logits
         # of the whole model would take gigabytes at large batches.
-        hidden = model.get_decoder()(input_ids=fed.to(model.device),
-                                     attention_mask=fed_mask.to(model.device)).last_hidden_state  # [B, L, H]
+        out = model.get_decoder()(input_ids=fed.to(model.device), attention_mask=fed_mask.to(model.device),
+                                  output_hidden_states=bool(layers))
+        hidden = out.last_hidden_state  # [B, L, H]
+        fused = torch.cat([out.hidden_states[j] for j in layers], dim=-1) if layers else None  # [B, L, n H]
     return [{"tokens": torch.tensor(tokens),
              "features": hidden[row, : len(tokens)].to(torch.bfloat16).cpu(),
+             **({"fused": fused[row, : len(tokens)].to(torch.bfloat16).cpu()} if layers else {}),
              "answer_start": torch.tensor(start)}
             for row, (tokens, start) in enumerate(zip(sequences, answer_starts))]
 
 
-def shard_samples(model, sequences, pad: int, batch_size: int, first_prompt: int) -> list[dict]:
+def shard_samples(model, sequences, pad: int, batch_size: int, first_prompt: int,
+                  layers: tuple[int, ...] = ()) -> list[dict]:
     """Training samples (features recomputed by batched prefill) of distilled shards' sequences."""
     import torch
     from tqdm import tqdm
@@ -220,7 +228,7 @@ def shard_samples(model, sequences, pad: int, batch_size: int, first_prompt: int
     for s in tqdm(range(0, len(order), batch_size), desc="features of the committed shards"):
         batch = order[s : s + batch_size]
         rows = _features(model, [list(sequences[i].tokens) for i in batch],
-                         [sequences[i].answer_start for i in batch], pad)
+                         [sequences[i].answer_start for i in batch], pad, layers)
         for i, row in zip(batch, rows):
             samples[i] = {"prompt": torch.tensor(first_prompt + i),
                           "variant": torch.tensor(0 if sequences[i].temperature == 0 else 1), **row}

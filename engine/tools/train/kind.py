@@ -34,6 +34,8 @@ class HeadKind:
     title: str  # as the model card names it, e.g. "EAGLE-1"
     unrolls: bool = False  # whether --unroll (training-time test over several drafting passes) applies
     top1_note: str = ""  # how the card qualifies the held-out top-1 agreement
+    learned_from: str = "the target's own final hidden states and next-token distributions"  # the card's words
+    files_note: str = "head weights only; the target's embedding and LM head are reused"
 
     def new_head(self, model, options: TrainOptions):
         """A fresh (or --init-from) head for the target `model`, float32, in training mode."""
@@ -47,6 +49,13 @@ class HeadKind:
         """The training loss over one packed step and its top-1 agreement with the target;
         generator None means evaluation (no input noise)."""
         raise NotImplementedError
+
+    def feature_layers(self, model) -> tuple[int, ...]:
+        """Target hidden states (HF indices) the head reads besides the last: samples then carry "fused"."""
+        return ()
+
+    def before_training(self, head, samples: list[dict], model, options: TrainOptions) -> None:
+        """Anything the kind sets from the data before training (EAGLE-3: its draft vocabulary)."""
 
     def after_training(self, head, samples: list[dict], model, options: TrainOptions) -> None:
         """Anything the kind derives from the trained head and stores in its config."""

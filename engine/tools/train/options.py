@@ -17,7 +17,7 @@ from speclens.engine.decoding.limits import MAX_K, MAX_TEMPERATURE, SettingError
 # The kinds --kind accepts: the trained heads (one module each, listed in registry.py) and the
 # datastore, which stores answers and trains nothing. Kept here, not imported from the registry,
 # so that parsing the command line stays free of the heads' modules.
-KINDS = ("eagle", "medusa", "datastore")
+KINDS = ("eagle", "eagle3", "medusa", "datastore")
 
 # The whole-number and real options and what each accepts (TrainOptions.__post_init__).
 _INT_RANGES = (

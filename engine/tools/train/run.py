@@ -69,8 +69,9 @@ def run(options: TrainOptions) -> dict:
 
         held, _ = read_all(options.shards, target=engine.target.name, skip_run=run_name)
         have_greedy = frozenset(s.tokens[: s.answer_start] for s in held if s.temperature == 0)
+    layers = kind.feature_layers(model) if kind is not None else ()  # target states a kind reads besides the last
     samples = distil(teacher, encode, engine.eos_ids, options, on_save if options.shards else None,
-                     features=not ids_only, have_greedy=have_greedy)
+                     features=not ids_only, have_greedy=have_greedy, layers=layers)
     written = save_shards(samples, options, engine.target.name, run_name) if options.shards else []
     if options.distil_only:
         return {"distilled": len(samples), "data": str(options.data_path), "shards": [str(p) for p in written]}
@@ -81,14 +82,16 @@ def run(options: TrainOptions) -> dict:
         from speclens.engine.tools.train.shards import read_all
 
         sequences, _ = read_all(options.shards, target=engine.target.name, skip_run=run_name)
-        samples = samples + shard_samples(teacher, sequences, engine.eos_ids[0], options.batch_size, len(samples))
+        samples = samples + shard_samples(teacher, sequences, engine.eos_ids[0], options.batch_size, len(samples),
+                                          layers)
     if kind is None:
         from speclens.engine.tools.train.datastore import build_datastore
 
         return build_datastore(options, samples, engine, held_ids, (len(train_prompts), len(held_out), own))
     held_samples = distil(teacher, held_ids, engine.eos_ids,
-                          replace(options, data=str(out / "held-out.pt"), sampled_answers=0))  # greedy only
+                          replace(options, data=str(out / "held-out.pt"), sampled_answers=0), layers=layers)  # greedy only
     head = kind.new_head(model, options)
+    kind.before_training(head, samples, model, options)
     history = train(kind, head, samples, options, model, out / "checkpoint.pt", held_samples)
     kind.after_training(head, samples, model, options)
     coverage = None

@@ -162,3 +162,44 @@ def test_loading_needs_no_remote_code_and_ignores_auto_map(tmp_path):
     head = DFlashHead.load(tmp_path / "d")
     assert head.block_size == BLOCK and head.mask_token_id == MASK and head.target_layer_ids == TARGET_LAYERS
     assert not (tmp_path / "d" / "dflash.py").exists()  # nothing to run: the layers are ours
+
+
+def test_train_drafter_trains_a_dflash_drafter_that_the_engine_loads(tmp_path):
+    """`--kind dflash`: blocks at random anchors learn the target's next tokens; the drafter is saved
+    in z-lab's layout, its loss falls, and the Engine decodes exactly with it."""
+    from speclens.engine.tools.cli import main
+    from speclens.engine.tools.train import dflash as training
+
+    target = tiny_llama(layers=4)
+    model_dir = tmp_path / "tiny-target"
+    target.save_pretrained(model_dir)
+    from tests.tiny import tiny_tokenizer
+
+    tiny_tokenizer().save_pretrained(model_dir)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"instruction": f"Count to {i}: one two three"}) for i in range(10)))
+    out = tmp_path / "dflash"
+    assert main(["train-drafter", "--kind", "dflash", "--target", str(model_dir), "--prompts", str(prompts),
+                 "--out", str(out), "--held-out", "2", "--answer-tokens", "16", "--epochs", "6", "--eval-tokens", "8",
+                 "--batch-size", "4", "--lr", "3e-3"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == training.BLOCK_SIZE
+    assert config["dflash_config"]["mask_token_id"] == target.config.vocab_size - 1
+    assert config["speclens_init"] == "the target's last layers"
+    record = json.loads((out / "training.json").read_text())
+    assert record["history"][-1]["loss"] < record["history"][0]["loss"]
+    assert set(record["tau"]) == {"block"} and "DFlash" in (out / "README.md").read_text()
+    engine = Engine(loaded(target, "tiny-4"), None, (str(out),))
+    ids = engine.encode_chat([{"role": "user", "content": "Count to 3: one two three"}])
+    plain = list(engine.generate_ids(ids, GenerationConfig(method="ar", max_new_tokens=24)))[-1].token_ids
+    spec = list(engine.generate_ids(ids, GenerationConfig(method="dflash", k=7, max_new_tokens=24)))[-1]
+    assert spec.token_ids == plain and spec.drafted > 0
+
+
+def test_training_blocks_see_the_context_before_their_anchor_and_their_own_block():
+    from speclens.engine.tools.train.dflash import block_mask
+
+    mask = block_mask(5, [2, 4], 3)
+    assert mask.shape == (6, 11)
+    assert mask[0, :5].tolist() == [True, True, False, False, False] and mask[0, 5:8].all() and not mask[0, 8:].any()
+    assert mask[4, :5].tolist() == [True] * 4 + [False] and mask[4, 8:].all() and not mask[4, 5:8].any()

@@ -57,6 +57,8 @@ def default_target_layers(target_layers: int, draft_layers: int) -> tuple[int, .
 
 
 class DFlashHead(nn.Module):
+    draft_vocab = None  # proposals go through the target's whole LM head
+
     def __init__(self, config: Qwen3Config, block_size: int, mask_token_id: int,
                  target_layer_ids: tuple[int, ...] | None, target_hidden_size: int | None = None):
         super().__init__()
@@ -99,23 +101,58 @@ class DFlashHead(nn.Module):
         (no mask); returns the final-normed rows [B, H]. The caches are left as they were."""
         b = embeds.shape[0]
         cos, sin = self.rotary(embeds, torch.arange(start, start + b, device=embeds.device)[None])
-        cos, sin = cos[0], sin[0]  # [B, D]
         h = embeds
         for layer, cache in zip(self.layers, caches):
-            attention = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attention.q_norm(attention.q_proj(x).view(b, -1, attention.head_dim)).transpose(0, 1)
-            q = q * cos + _rotate_half(q) * sin  # [heads, B, D]
-            k, v = self._qkv(attention, x, cos, sin)  # [kv heads, B, D]
-            if cache.get_seq_length():
-                k, v = torch.cat([cache.keys[0], k], dim=1), torch.cat([cache.values[0], v], dim=1)
-            groups = q.shape[0] // k.shape[0]
-            stacked = q.reshape(k.shape[0], groups * b, -1)  # query heads of a group stacked: no key copies
-            out = nn.functional.scaled_dot_product_attention(stacked, k, v, scale=attention.scaling)
-            out = out.reshape(q.shape[0], b, -1).transpose(0, 1).reshape(b, -1)  # [B, heads D]
-            h = h + attention.o_proj(out)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            held = (cache.keys[0], cache.values[0]) if cache.get_seq_length() else None
+            h = self._layer(layer, h, cos[0], sin[0], held, None)
         return self.norm(h)
+
+    def train_forward(self, embeds: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
+                      context_positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Training: blocks' rows embeds [Q, H] at positions [Q] against context rows C [P, H] at
+        context_positions [P], under mask [Q, P + Q] (True = may attend) -> final-normed rows [Q, H]."""
+        cos, sin = self.rotary(embeds, positions[None])
+        ccos, csin = self.rotary(context, context_positions[None])
+        h = embeds
+        for layer in self.layers:
+            h = self._layer(layer, h, cos[0], sin[0], self._qkv(layer.self_attn, context, ccos[0], csin[0]), mask)
+        return self.norm(h)
+
+    def _layer(self, layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               context_kv: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None) -> torch.Tensor:
+        """One draft layer on rows h [Q, H] at cos/sin [Q, D]: queries attend to the context's keys and
+        values [kv heads, P, D] (if any) and to the rows' own, under mask [Q, P + Q] or none."""
+        attention, q_rows = layer.self_attn, h.shape[0]
+        x = layer.input_layernorm(h)
+        q = attention.q_norm(attention.q_proj(x).view(q_rows, -1, attention.head_dim)).transpose(0, 1)
+        q = q * cos + _rotate_half(q) * sin  # [heads, Q, D]
+        k, v = self._qkv(attention, x, cos, sin)  # [kv heads, Q, D]
+        if context_kv is not None:
+            k, v = torch.cat([context_kv[0], k], dim=1), torch.cat([context_kv[1], v], dim=1)
+        groups = q.shape[0] // k.shape[0]
+        stacked = q.reshape(k.shape[0], groups * q_rows, -1)  # query heads of a group stacked: no key copies
+        bias = None if mask is None else mask.repeat(groups, 1)[None]  # [1, groups Q, P + Q]
+        out = nn.functional.scaled_dot_product_attention(stacked, k, v, attn_mask=bias, scale=attention.scaling)
+        out = out.reshape(q.shape[0], q_rows, -1).transpose(0, 1).reshape(q_rows, -1)  # [Q, heads D]
+        h = h + attention.o_proj(out)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def save(self, folder: str | Path) -> None:
+        """In z-lab's layout (config.json with dflash_config, model.safetensors), which `load` reads."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        config = {**self.config.to_dict(), "architectures": ["DFlashDraftModel"], "block_size": self.block_size,
+                  "target_hidden_size": self.target_hidden_size, **getattr(self, "extra_config", {}),
+                  "dflash_config": {"mask_token_id": self.mask_token_id,
+                                    **({"target_layer_ids": list(self.target_layer_ids)}
+                                       if self.target_layer_ids else {})}}
+        if getattr(self, "num_target_layers", None):
+            config["num_target_layers"] = self.num_target_layers
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items() if "rotary" not in k}
+        save_file(state, folder / WEIGHTS[0])
 
     @classmethod
     def load(cls, folder: str | Path) -> DFlashHead:

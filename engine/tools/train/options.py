@@ -17,7 +17,7 @@ from speclens.engine.decoding.limits import MAX_K, MAX_TEMPERATURE, SettingError
 # The kinds --kind accepts: the trained heads (one module each, listed in registry.py) and the
 # datastore, which stores answers and trains nothing. Kept here, not imported from the registry,
 # so that parsing the command line stays free of the heads' modules.
-KINDS = ("eagle", "eagle3", "medusa", "datastore")
+KINDS = ("eagle", "eagle3", "dflash", "medusa", "datastore")
 
 # The whole-number and real options and what each accepts (TrainOptions.__post_init__).
 _INT_RANGES = (
@@ -26,6 +26,7 @@ _INT_RANGES = (
     ("tokens_per_step", 1, 10_000_000), ("unroll", 1, 16), ("draft_vocab", 0, 10_000_000), ("medusa_heads", 1, 16),
     ("medusa_layers", 1, 16), ("medusa_tree_nodes", 1, 1024), ("depth", 1, MAX_K), ("top_k", 1, 1024),
     ("budget", 1, 1024), ("chain", 1, MAX_K), ("eval_tokens", 0, 32_768), ("threads", 1, 1024), ("seed", 0, 2**63 - 1),
+    ("max_shard_sequences", 0, 1_000_000_000),
 )
 _FLOAT_RANGES = (("feature_noise", 0.0, 10.0), ("ce_weight", 0.0, 1000.0), ("distil_seconds", 0.0, 1e7))
 
@@ -77,6 +78,7 @@ class TrainOptions:
     device: str = "auto"  # where distillation and training run (auto: a CUDA GPU if there is one, else the CPU)
     evaluate_only: bool = False  # measure tau of the head already in OUT and rewrite its card (no training)
     distil_seconds: float = 0.0  # stop distilling after this long (what is done is kept; 0: no limit)
+    max_shard_sequences: int = 0  # train on at most this many of the shards' sequences, the first ones (0: all)
 
     def __post_init__(self) -> None:  # refused before any model loads, one line each (limits)
         check_choice("--kind", self.kind, KINDS)
@@ -199,6 +201,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                              "into the first, and every shard found is trained on")
     parser.add_argument("--distil-seconds", type=float, default=defaults.distil_seconds, metavar="S",
                         help="stop distilling after S seconds, keeping every answer made (a GPU session's budget)")
+    parser.add_argument("--max-shard-sequences", type=int, default=defaults.max_shard_sequences, metavar="N",
+                        help="train on the shards' first N sequences only (0: all; a CPU's budget)")
     parser.add_argument("--distil-only", action="store_true",
                         help="stop after distilling the prompts into DATA (for --extra-data of another run)")
     parser.add_argument("--init-from", default="", metavar="DIR",

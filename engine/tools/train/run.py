@@ -82,6 +82,8 @@ def run(options: TrainOptions) -> dict:
         from speclens.engine.tools.train.shards import read_all
 
         sequences, _ = read_all(options.shards, target=engine.target.name, skip_run=run_name)
+        if options.max_shard_sequences:
+            sequences = sequences[: options.max_shard_sequences]
         samples = samples + shard_samples(teacher, sequences, engine.eos_ids[0], options.batch_size, len(samples),
                                           layers)
     if kind is None:

@@ -2,7 +2,8 @@
 # One GPU session's drafter training (issue 44), in at most ~9 minutes on one H100/H200:
 #   1. distil new answers of the default target (greedy + 3 sampled at 0.6, 0.9, 1.2) into token-id
 #      shards, for at most DISTIL_S seconds (every answer made is kept; a rerun resumes);
-#   2. train EAGLE and Medusa heads from every shard (the committed data/distilled ones and the new);
+#   2. train EAGLE, EAGLE-3 (training-time test over 2 passes), DFlash and Medusa heads from every shard
+#      (the committed data/distilled ones and the new), KINDS="eagle eagle3 dflash medusa" to choose;
 #   3. leave heads, model cards and the new shards in OUT, small enough to bring back and commit.
 #
 #   packaging/gpu_train.sh [OUT]                     # on the GPU machine (--device cuda)
@@ -53,10 +54,12 @@ shards=(--shards "$out/shards")
 log "distilling for at most ${distil_s}s into $out/shards"
 "$py" -m speclens.app train-drafter --kind eagle --target "$target" --prompts "$prompts" --out "$out/distil" \
   --device "$device" --distil-only --distil-seconds "$distil_s" "${distil[@]}" "${shards[@]}"
-for kind in eagle medusa; do
+for kind in ${KINDS:-eagle eagle3 dflash medusa}; do
   log "training $kind from every shard"
+  extra=()
+  [ "$kind" = eagle3 ] && extra=(--unroll 2)
   "$py" -m speclens.app train-drafter --kind "$kind" --target "$target" --prompts "$prompts" --out "$out/$kind" \
-    --device "$device" "${train[@]}" "${shards[@]}"
+    --device "$device" "${train[@]}" "${extra[@]}" "${shards[@]}"
 done
 # what comes back: heads, cards, training records and the new shards (not the distillation state)
 rm -rf "$out/distil" "$out"/*/checkpoint.pt "$out"/*/distilled*.pt "$out"/*/held-out.pt

@@ -99,7 +99,8 @@ def test_the_wheel_installs_one_speclens_package_that_runs_outside_the_repositor
 
 def test_the_gpu_training_script_runs_in_its_tiny_cpu_mode(tmp_path):
     """packaging/gpu_train.sh, prepared for a GPU session, in seconds on a CPU: it distils into new
-    shards, trains EAGLE and Medusa heads from every shard and leaves heads, cards and shards only."""
+    shards, trains EAGLE, EAGLE-3, DFlash and Medusa heads from every shard and leaves heads, cards and
+    shards only."""
     import json
     import os
 
@@ -109,7 +110,7 @@ def test_the_gpu_training_script_runs_in_its_tiny_cpu_mode(tmp_path):
                          cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     (shard,) = (out / "shards").glob("*.safetensors")
-    for kind in ("eagle", "medusa"):
+    for kind in ("eagle", "eagle3", "dflash", "medusa"):
         assert (out / kind / "model.safetensors").is_file() and (out / kind / "README.md").is_file()
         record = json.loads((out / kind / "training.json").read_text())
         assert record["run"]["n_samples"][-1] == 16  # 8 greedy + 8 sampled answers, read back from the shard

@@ -105,7 +105,8 @@ class DFlashKind(HeadKind):
     top1_note = ", over every row of the blocks (row i: the token i positions ahead)"
     learned_from = ("the hidden states of a few of the target's layers and its next-token distributions at every "
                     "position of sampled blocks")
-    files_note = "z-lab's DFlash layout: fc, hidden_norm, the draft layers, norm; the target's embedding and LM head are reused"
+    files_note = ("z-lab's DFlash layout: fc, hidden_norm, the draft layers, norm; the target's embedding and LM "
+                  "head are reused")
 
     def feature_layers(self, model) -> tuple[int, ...]:
         from speclens.engine.drafters.dflash import default_target_layers
@@ -119,7 +120,6 @@ class DFlashKind(HeadKind):
         return DFlashHead.load(folder).float()
 
     def new_head(self, model, options: TrainOptions):
-        import torch
         from transformers import Qwen3Config
 
         from speclens.engine.drafters.dflash import DFlashHead, default_target_layers

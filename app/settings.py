@@ -50,7 +50,7 @@ from speclens.engine.decoding.limits import (
 )
 from speclens.engine.decoding.sampling import SamplingParams
 from speclens.engine.runtime.models import CPU_KERNELS
-from speclens.engine.session import ModelSettings
+from speclens.engine.session import ModelSettings, shipped_heads
 
 # The engine says which methods a loaded pair offers (Engine.methods); these only name the known ones.
 METHOD_LABELS = {
@@ -64,9 +64,13 @@ METHOD_LABELS = {
     "eagle_chain": "EAGLE heads (chain)",
     "eagle_lookup": "EAGLE heads + prompt lookup + datastore if loaded (one tree)",
     "medusa": "Medusa heads",
+    "eagle3": "EAGLE-3 head (dynamic tree)",
+    "eagle3_chain": "EAGLE-3 head (chain)",
+    "dflash": "DFlash parallel drafter (a block per step)",
 }
 # Methods that need no second model: a configured draft model is only loaded for the others.
-TARGET_ONLY_METHODS = frozenset({"auto", "ar", "lookup", "rest", "eagle", "eagle_chain", "eagle_lookup", "medusa"})
+TARGET_ONLY_METHODS = frozenset({"auto", "ar", "lookup", "rest", "eagle", "eagle_chain", "eagle_lookup", "medusa",
+                                 "eagle3", "eagle3_chain", "dflash"})
 # Methods that draft with a second model, so a message with no draft model set is refused.
 DRAFT_MODEL_METHODS = frozenset({"draft", "tree"})
 # Resolved by the worker to the loaded engine's best method (Engine.default_method).
@@ -110,6 +114,9 @@ class AppSettings:
     # a conversation past the model's context: drop its oldest turns (said in a banner), or stop with a message
     context_overflow: str = "drop_oldest"
     compare_runs: int = 3  # the Compare tab's pairs of runs (interleaved plain / speculative); figures are medians
+    # more drafter folders (EAGLE-1/3, DFlash, Medusa, a datastore), one per line, beside the ones shipped for the
+    # default model; one made for another target is left out and the Compatibility report says why
+    drafter_folders: str = ""
 
     def __post_init__(self) -> None:
         for f in fields(self):  # a hand-edited file can hold any TOML type
@@ -131,13 +138,17 @@ class AppSettings:
 
     def model_settings(self) -> ModelSettings:
         draft = self.draft.strip() or None
+        target = self.target.strip() or "default"
+        extra = tuple(line.strip() for line in self.drafter_folders.splitlines() if line.strip())
         return ModelSettings(
-            target=self.target.strip() or "default",
+            target=target,
             draft=None if self.method in TARGET_ONLY_METHODS else draft,
+            heads=(shipped_heads(target) + extra) if extra else (),  # (): the shipped ones for the default
             device=self.device,
             dtype=self.dtype,
             cpu_kernels=self.cpu_kernels,
             tree_budget=self.tree_budget or None,
+            skip_unfit=True,
         )
 
     def conversation(self, turns: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
@@ -177,12 +188,14 @@ def needs_reload(loaded: ModelSettings | None, wanted: ModelSettings) -> bool:
     not reload anything."""
     if loaded is None:
         return True
-    same_target = (loaded.target, loaded.device, loaded.dtype, loaded.cpu_kernels, loaded.tree_budget) == (
+    same_target = (loaded.target, loaded.device, loaded.dtype, loaded.cpu_kernels, loaded.tree_budget,
+                   loaded.heads) == (
         wanted.target,
         wanted.device,
         wanted.dtype,
         wanted.cpu_kernels,
         wanted.tree_budget,  # the head drafters are built for one tree size at load
+        wanted.heads,
     )
     if not same_target:
         return True
@@ -362,6 +375,20 @@ class SettingsDialog(QDialog):
         self.compare_runs = QSpinBox(minimum=1, maximum=MAX_COMPARE_RUNS)
         self.compare_runs.setToolTip("Runs of each side the Compare tab times, interleaved plain / speculative; it "
                                      "reports the medians and races the median runs")
+        self.drafter_folders = QPlainTextEdit()
+        self.drafter_folders.setPlaceholderText("More drafter folders, one per line (EAGLE-1 / EAGLE-3 / DFlash / "
+                                                "Medusa heads, a datastore)")
+        self.drafter_folders.setToolTip("Beside the ones shipped for the default model. Each is checked against the "
+                                        "target when it loads: one made for another model is left out, and the "
+                                        "Compatibility report says why.")
+        self.drafter_folders.setFixedHeight(46)
+        add_folder = QPushButton("Add folder…")
+        add_folder.clicked.connect(self._add_drafter_folder)
+        drafters = QWidget()
+        drafters_row = QHBoxLayout(drafters)
+        drafters_row.setContentsMargins(0, 0, 0, 0)
+        drafters_row.addWidget(self.drafter_folders, 1)
+        drafters_row.addWidget(add_folder, 0, Qt.AlignmentFlag.AlignTop)
         self.tree_budget = QSpinBox(minimum=0, maximum=MAX_TREE_BUDGET)
         self.tree_budget.setSpecialValueText("auto (CPU: up to 4, as many as pay; GPU: 32)")
         self.tree_budget.setToolTip("Tokens the EAGLE and Medusa trees draft per step. Bigger trees are "
@@ -379,6 +406,7 @@ class SettingsDialog(QDialog):
         model_form.addRow("Precision", self.dtype)
         model_form.addRow("CPU kernels", self.cpu_kernels)
         model_form.addRow("Tree nodes", self.tree_budget)
+        model_form.addRow("Drafter folders", drafters)
 
         decoding = QGroupBox("Decoding (applies from the next message)")
         decoding_form = QFormLayout(decoding)
@@ -474,6 +502,7 @@ class SettingsDialog(QDialog):
         self.cpu_kernels.setCurrentIndex(max(0, self.cpu_kernels.findData(s.cpu_kernels)))
         self.tree_budget.setValue(s.tree_budget)
         self.system_prompt.setPlainText(s.system_prompt)
+        self.drafter_folders.setPlainText(s.drafter_folders)
         match = [i for i, e in enumerate(CATALOG) if (e.target, e.draft) == (s.target, s.draft)]
         match = match or [i for i, e in enumerate(CATALOG) if e.target == s.target]
         self.pair.setCurrentIndex(match[0] if match else len(CATALOG))
@@ -500,13 +529,22 @@ class SettingsDialog(QDialog):
             system_prompt=self.system_prompt.toPlainText().strip(),
             context_overflow=self.context_overflow.currentData(),
             compare_runs=self.compare_runs.value(),
+            drafter_folders=self.drafter_folders.toPlainText().strip(),
         )
 
-    def show_report(self, ok: bool | None, lines: tuple[str, ...] | list[str]) -> None:
-        """ok None: a single model, no pair to check."""
+    def _add_drafter_folder(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Drafter folder")
+        if path:
+            lines = [line for line in self.drafter_folders.toPlainText().splitlines() if line.strip()]
+            self.drafter_folders.setPlainText("\n".join([*lines, path]))
+
+    def show_report(self, ok: bool | None, lines: tuple[str, ...] | list[str],
+                    drafters: tuple[str, ...] | list[str] = ()) -> None:
+        """ok None: a single model, no pair to check; `drafters`: one line per drafter folder (fits or why not)."""
         verdict = {True: "✓ The pair is compatible.", False: "✗ The pair is not usable as it is.",
                    None: "✓ Loaded (one model: no draft model to check against it)."}[ok]
-        self.report.setPlainText("\n".join([verdict, *lines]))
+        heading = ["", "Drafter folders:"] if drafters else []
+        self.report.setPlainText("\n".join([verdict, *lines, *heading, *drafters]))
 
     def _select_method(self, method: str) -> None:
         index = self.method.findData(method)

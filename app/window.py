@@ -458,7 +458,12 @@ class MainWindow(QMainWindow):
         self.progress.hide()
         self.statusBar().showMessage(f"Loaded {info.description}", 5000)
         self.status_model.setText(info.description)
-        self.status_model.setToolTip("\n".join(info.compat_lines))
+        self.status_model.setToolTip("\n".join([*info.compat_lines, *info.drafters]))
+        if info.unfit:  # drafter folders made for another target: left out, and said once here
+            unfit = [line.removeprefix("✗ ") for line in info.drafters if line.startswith("✗")]
+            self.notice_banner.setText(f"Left out {info.unfit} drafter folder{'s' * (info.unfit > 1)} made for another "
+                                       f"model: " + "; ".join(unfit))
+            self.notice_banner.show()
         if info.settings == self.settings.model_settings() and self.settings.method not in info.methods:
             self.show_error(
                 f"Method '{self.settings.method}' is not offered by {info.description} "
@@ -638,9 +643,9 @@ class MainWindow(QMainWindow):
     @staticmethod
     def _show_report(dialog: SettingsDialog, info: LoadInfo) -> None:
         if info.compat_ok is None:
-            dialog.show_report(None, (info.description,))
+            dialog.show_report(None, (info.description,), info.drafters)
         else:
-            dialog.show_report(info.compat_ok, info.compat_lines)
+            dialog.show_report(info.compat_ok, info.compat_lines, info.drafters)
 
     def _refresh_conversations(self) -> None:
         self.conversation_list.blockSignals(True)

@@ -44,6 +44,8 @@ class LoadInfo:
     methods: tuple[str, ...]
     compat_ok: bool | None  # None: single model, nothing to check
     compat_lines: tuple[str, ...]
+    drafters: tuple[str, ...] = ()  # per drafter folder: whether it fits the target, and why not
+    unfit: int = 0  # drafter folders left out: made for another target
 
 
 @dataclass(frozen=True)
@@ -251,6 +253,8 @@ class EngineWorker(QObject):
                 methods=(AUTO_METHOD, *engine.methods),
                 compat_ok=None if report is None else bool(report.ok),
                 compat_lines=() if report is None else tuple(report.lines),
+                drafters=tuple(("✓ " if fit.fits else "✗ ") + fit.line() for fit in engine.drafter_report),
+                unfit=sum(not fit.fits for fit in engine.drafter_report),
             )
         )
         return engine

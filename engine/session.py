@@ -33,6 +33,7 @@ from speclens.engine.decoding.prompt import Fitted, PromptError, clean_text, fit
 from speclens.engine.decoding.tree import CHAIN_PATHS, DEFAULT_TREE_PATHS, TreeDrafter, TreeShape
 from speclens.engine.drafters.datastore import Datastore, DatastoreDrafter, is_datastore
 from speclens.engine.drafters.draft_model import DraftModelDrafter
+from speclens.engine.drafters.folders import drafter_fit
 from speclens.engine.drafters.lookup import PromptLookupDrafter
 from speclens.engine.drafters.trees import DraftModelTreeDrafter, LookupGraftedDrafter
 from speclens.engine.runtime.cache import CachedModel
@@ -64,6 +65,13 @@ UNREADABLE_WEIGHTS = (OSError, RuntimeError, KeyError, ValueError, SafetensorErr
 MAX_SOURCE_CHARS = 4096  # a model's source: a path or a hub id
 
 
+def shipped_heads(target: str) -> tuple[str, ...]:
+    """The drafter folders shipped for `target` (the default model's; none for others)."""
+    if target != DEFAULT_MODEL:
+        return ()
+    return tuple(str(SHIPPED_HEADS / name) for name in DEFAULT_HEADS if (SHIPPED_HEADS / name).exists())
+
+
 class EngineError(RuntimeError):
     """Anything that stops the engine from doing what was asked; the message is meant for users."""
 
@@ -79,6 +87,7 @@ class ModelSettings:
     offload: bool = False
     cpu_kernels: str = "auto"  # runtime.models.CPU_KERNELS: auto | integer | native | packed | stock
     tree_budget: int | None = None  # draft-tree nodes for the head methods; None: by device (tree_budget)
+    skip_unfit: bool = False  # drafter folders made for another target are left out (drafter_report), not an error
 
     def __post_init__(self) -> None:  # the same checks wherever the settings come from (limits)
         check_text("target", self.target, MAX_SOURCE_CHARS)
@@ -93,7 +102,7 @@ class ModelSettings:
         check_device(self.device)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("cpu_kernels", self.cpu_kernels, CPU_KERNELS)
-        for name in ("trust_remote_code", "offload"):
+        for name in ("trust_remote_code", "offload", "skip_unfit"):
             if not isinstance(getattr(self, name), bool):
                 raise SettingError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.tree_budget is not None:
@@ -102,7 +111,7 @@ class ModelSettings:
 
 class Engine:
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, heads: tuple[str, ...] = (),
-                 budget: int | None = None):
+                 budget: int | None = None, skip_unfit: bool = False):
         self.target = target
         self.draft = draft
         self.compatibility: CompatReport | None = check_pair(target, draft) if draft else None
@@ -120,6 +129,11 @@ class Engine:
             self._drafters["tree"] = DraftModelTreeDrafter(
                 CachedModel(draft.model, n_vocab), TreeShape.from_paths(DEFAULT_TREE_PATHS)
             )
+        # Each drafter folder against this target, from its config (engine/drafters/folders.py); with
+        # skip_unfit (the window) one made for another target is left out and reported, else loading says why.
+        self.drafter_report = tuple(drafter_fit(folder, target.model.config, target.name) for folder in heads)
+        if skip_unfit:
+            heads = tuple(fit.folder for fit in self.drafter_report if fit.fits)
         configs = {Path(folder): _folder_config(Path(folder)) for folder in heads}
         stores = [folder for folder, config in configs.items() if is_datastore(config)]
         if len(stores) > 1:
@@ -161,10 +175,8 @@ class Engine:
             draft = load_model(settings.draft, options, progress) if settings.draft else None
         except ModelLoadError as exc:
             raise EngineError(str(exc)) from exc
-        heads = settings.heads
-        if not heads and settings.target == DEFAULT_MODEL:
-            heads = tuple(str(SHIPPED_HEADS / name) for name in DEFAULT_HEADS if (SHIPPED_HEADS / name).exists())
-        return cls(target, draft, heads, settings.tree_budget)
+        heads = settings.heads or shipped_heads(settings.target)
+        return cls(target, draft, heads, settings.tree_budget, settings.skip_unfit)
 
     @property
     def default_method(self) -> str:
@@ -410,7 +422,7 @@ def _eagle3_drafters(folder: Path, head, target: CachedModel, budget: int,
             raise EngineError(f"The EAGLE-3 head in {folder} reads a target of {what} {own}, this one has "
                               f"{target_value}: it was trained for another model.")
     layers = head.layers_for(text_config.num_hidden_layers)
-    if any(not 0 <= j < text_config.num_hidden_layers for j in layers):
+    if any(not 0 <= j <= text_config.num_hidden_layers for j in layers):  # hidden-state indices 0..L
         raise EngineError(f"The EAGLE-3 head in {folder} reads target layers {layers}; this target has "
                           f"{text_config.num_hidden_layers}: it was trained for another model.")
     return {

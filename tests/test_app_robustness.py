@@ -194,3 +194,33 @@ def test_ctrl_c_closes_the_window_and_exits_130(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err.decode()
     assert b"interrupted" in err and b"Traceback" not in err
+
+
+def test_drafter_folders_that_fit_are_offered_and_the_others_left_out_with_why(qtbot, make_window, tmp_path):
+    """Settings > Drafter folders: an EAGLE-3 folder for this target adds its methods; a DFlash folder
+    made for a wider model is left out, said in a banner and in the Compatibility report."""
+    from speclens.engine.session import Engine
+    from tests.test_dflash import write_zlab_checkpoint
+    from tests.test_eagle3 import write_specforge_checkpoint
+    from tests.tiny import loaded, tiny_llama
+
+    write_specforge_checkpoint(tmp_path / "eagle3", tiny_llama(0), layers=(0, 1, 2))
+    write_zlab_checkpoint(tmp_path / "dflash-wide", tiny_llama(0, layers=4), hidden=32, layer_ids=(0, 1))
+    seen = []
+
+    def factory(settings, progress):
+        seen.append(settings)
+        return Engine(loaded(tiny_llama(0), "tiny-target"), None, settings.heads, None, settings.skip_unfit)
+
+    chosen = AppSettings(target="tiny", method="eagle3_chain", max_new_tokens=8,
+                         drafter_folders=f"{tmp_path / 'eagle3'}\n{tmp_path / 'dflash-wide'}\n")
+    window = make_window(factory, settings=chosen)
+    send_and_wait(qtbot, window, "one two three")
+    assert seen[0].heads == (str(tmp_path / "eagle3"), str(tmp_path / "dflash-wide")) and seen[0].skip_unfit
+    assert {"eagle3", "eagle3_chain"} <= set(window._loaded.methods) and "dflash" not in window._loaded.methods
+    assert window.history.messages(window._conversation_id)[-1].role == "assistant"  # answered with eagle3_chain
+    assert not window.notice_banner.isHidden()
+    banner = window.notice_banner.text()
+    assert "Left out 1 drafter folder" in banner and "dflash-wide (DFlash)" in banner and "width 32" in banner
+    lines = window._loaded.drafters
+    assert lines[0].startswith("✓ eagle3 (EAGLE-3): fits") and lines[1].startswith("✗ dflash-wide (DFlash)")

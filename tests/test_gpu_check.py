@@ -33,6 +33,8 @@ def test_tiny_cpu_mode_runs_every_part_and_writes_json(tmp_path, capsys):
             row = rows[f"synthetic@{a}"]
             assert row["E"] == gpu_check.expected_tokens(a, k) and 0 <= row["identical_share"] <= 1
             assert row["ceiling"] > 0 and row["speedup"] > 0
+    costs = big["head_step_cost"]
+    assert set(costs) == {"eagle1_shaped", "eagle3_shaped"} and all(c["c"] > 0 for c in costs.values())
     default = report["embedded default, shipped heads"]
     assert "failed" not in default and default["runtime"] == "native lean forward"
     assert {"eagle", "medusa", "lookup"} <= set(default["methods"])

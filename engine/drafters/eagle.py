@@ -40,6 +40,24 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-second, first], dim=-1)
 
 
+def head_attention(attention, h: torch.Tensor, rotary, like: torch.Tensor, position_ids: torch.Tensor,
+                   mask: torch.Tensor, cache: AppendLayer | None, heads: int, kv_heads: int) -> torch.Tensor:
+    """A head layer's self-attention: q/k/v of the normed input h [T, W], rotary positions (rotary's
+    cos/sin in `like`'s dtype and device), the new keys and values appended to `cache` (if any), grouped
+    attention under mask [T, P + T] bool, then o_proj -> [T, H] (EAGLE-1 and EAGLE-3 alike)."""
+    n = h.shape[0]
+    q = attention.q_proj(h).view(n, heads, -1).transpose(0, 1)  # [heads, T, D]
+    k = attention.k_proj(h).view(n, kv_heads, -1).transpose(0, 1)  # [kv heads, T, D]
+    v = attention.v_proj(h).view(n, kv_heads, -1).transpose(0, 1)  # [kv heads, T, D]
+    cos, sin = rotary(like, position_ids.to(like.device)[None])  # [1, T, D] each
+    q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    k, v = k[None], v[None]  # [1, kv heads, T, D]
+    if cache is not None:
+        k, v = cache.update(k, v)  # [1, kv heads, P + T, D]
+    out = grouped_query_attention(q[None], k, v, mask.to(like.device)[None, None])[0]  # [heads, T, D]
+    return attention.o_proj(out.transpose(0, 1).reshape(n, -1))
+
+
 class EagleHead(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -76,18 +94,9 @@ class EagleHead(nn.Module):
         native = self._native_weights()
         if native is not None:  # on the native kernels: the layer in one native call
             return self._native_layer(native, x, position_ids, mask, cache)
-        n = x.shape[0]
         h = self.layer.input_layernorm(x)
-        q = attention.q_proj(h).view(n, config.num_attention_heads, -1).transpose(0, 1)  # [heads, T, D]
-        k = attention.k_proj(h).view(n, config.num_key_value_heads, -1).transpose(0, 1)  # [kv heads, T, D]
-        v = attention.v_proj(h).view(n, config.num_key_value_heads, -1).transpose(0, 1)  # [kv heads, T, D]
-        cos, sin = self.rotary(x, position_ids.to(x.device)[None])  # [1, T, D] each
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        k, v = k[None], v[None]  # [1, kv heads, T, D]
-        if cache is not None:
-            k, v = cache.update(k, v)  # [1, kv heads, P + T, D]
-        out = grouped_query_attention(q[None], k, v, mask.to(x.device)[None, None])[0]  # [heads, T, D]
-        x = x + attention.o_proj(out.transpose(0, 1).reshape(n, -1))  # [T, H]
+        x = x + head_attention(attention, h, self.rotary, x, position_ids, mask, cache,
+                               config.num_attention_heads, config.num_key_value_heads)  # [T, H]
         return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
 
     def _native_weights(self):

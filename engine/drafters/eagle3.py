@@ -33,8 +33,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from speclens.engine.decoding.drafter import StepCost
 from speclens.engine.decoding.tree import TreeShape
-from speclens.engine.drafters.eagle import EagleDrafter, _rotate_half
-from speclens.engine.runtime.attention import grouped_query_attention
+from speclens.engine.drafters.eagle import EagleDrafter, head_attention
 from speclens.engine.runtime.cache import AppendLayer, CachedModel
 from speclens.engine.runtime.cpu_kernels import drafter_linear, drafting_dtype
 
@@ -116,17 +115,8 @@ class Eagle3Head(nn.Module):
         normed = layer.hidden_norm(g)
         residual = normed if self.norm_before_residual else g
         x = torch.cat([layer.input_layernorm(embeds.to(g.dtype)), normed], dim=-1)  # [T, 2H]
-        n = x.shape[0]
-        q = attention.q_proj(x).view(n, attention.heads, -1).transpose(0, 1)  # [heads, T, D]
-        k = attention.k_proj(x).view(n, attention.kv_heads, -1).transpose(0, 1)  # [kv heads, T, D]
-        v = attention.v_proj(x).view(n, attention.kv_heads, -1).transpose(0, 1)
-        cos, sin = self.rotary(g, position_ids.to(g.device)[None])  # [1, T, D] each
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        k, v = k[None], v[None]  # [1, kv heads, T, D]
-        if cache is not None:
-            k, v = cache.update(k, v)  # [1, kv heads, P + T, D]
-        out = grouped_query_attention(q[None], k, v, mask.to(g.device)[None, None])[0]  # [heads, T, D]
-        h = residual + attention.o_proj(out.transpose(0, 1).reshape(n, -1))  # [T, H]
+        h = residual + head_attention(attention, x, self.rotary, g, position_ids, mask, cache, attention.heads,
+                                      attention.kv_heads)  # [T, H]
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     @classmethod

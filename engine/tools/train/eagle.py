@@ -103,6 +103,19 @@ def eagle_loss(head, step: list[dict], embed, lm_head, noise: float, generator,
     return regression + ce_weight * classification, agreement
 
 
+def chain_and_tree_setups(title: str, make, options: TrainOptions) -> dict[str, EvalSetup]:
+    """A head's two evaluation setups: a chain of options.chain and the dynamic tree; make(target, shape=)
+    builds its drafter (shape None: the dynamic tree)."""
+    from speclens.engine.decoding.tree import CHAIN_PATHS, TreeShape
+
+    chain = TreeShape.from_paths(CHAIN_PATHS).truncated(options.chain)
+    return {
+        "chain": EvalSetup(f"{title} chain, K={options.chain}", options.chain, functools.partial(make, shape=chain)),
+        "tree": EvalSetup(f"dynamic EAGLE-2-style tree, depth {options.depth}, top-k {options.top_k}, "
+                          f"budget {options.budget} nodes", options.depth, functools.partial(make, shape=None)),
+    }
+
+
 def _drafter(head, target, shape, options: TrainOptions):
     from speclens.engine.drafters.eagle import EagleDrafter
 
@@ -143,15 +156,7 @@ class EagleKind(HeadKind):
         setattr(head.config, key, value)
 
     def setups(self, head, options: TrainOptions) -> dict[str, EvalSetup]:
-        from speclens.engine.decoding.tree import CHAIN_PATHS, TreeShape
-
-        chain = TreeShape.from_paths(CHAIN_PATHS).truncated(options.chain)
-        make = functools.partial(_drafter, head, options=options)
-        return {
-            "chain": EvalSetup(f"EAGLE chain, K={options.chain}", options.chain, functools.partial(make, shape=chain)),
-            "tree": EvalSetup(f"dynamic EAGLE-2-style tree, depth {options.depth}, top-k {options.top_k}, "
-                              f"budget {options.budget} nodes", options.depth, functools.partial(make, shape=None)),
-        }
+        return chain_and_tree_setups("EAGLE", functools.partial(_drafter, head, options=options), options)
 
     def architecture(self, options: TrainOptions) -> str:
         start = (f"continued from {Path(options.init_from).name}" if options.init_from else

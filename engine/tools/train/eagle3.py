@@ -128,15 +128,9 @@ class Eagle3Kind(HeadKind):
         setattr(head.config, key, value)
 
     def setups(self, head, options: TrainOptions) -> dict[str, EvalSetup]:
-        from speclens.engine.decoding.tree import CHAIN_PATHS, TreeShape
+        from speclens.engine.tools.train.eagle import chain_and_tree_setups
 
-        chain = TreeShape.from_paths(CHAIN_PATHS).truncated(options.chain)
-        make = functools.partial(_drafter, head, options=options)
-        return {
-            "chain": EvalSetup(f"EAGLE-3 chain, K={options.chain}", options.chain, functools.partial(make, shape=chain)),
-            "tree": EvalSetup(f"dynamic EAGLE-2-style tree, depth {options.depth}, top-k {options.top_k}, "
-                              f"budget {options.budget} nodes", options.depth, functools.partial(make, shape=None)),
-        }
+        return chain_and_tree_setups("EAGLE-3", functools.partial(_drafter, head, options=options), options)
 
     def architecture(self, options: TrainOptions) -> str:
         unroll = (f"; training-time test over {options.unroll} drafting passes (passes 2+ read the head's own "

@@ -14,7 +14,7 @@ from speclens.engine.decoding.decode import GenerationConfig
 from speclens.engine.decoding.sampling import SamplingParams
 from speclens.engine.drafters.dflash import DFlashHead, default_target_layers
 from speclens.engine.session import Engine, EngineError
-from tests.tiny import loaded, tiny_llama
+from tests.tiny import loaded, tiny_llama, training_files
 
 BLOCK, MASK, TARGET_LAYERS, DRAFT_LAYERS = 4, 3, (0, 2), 2
 
@@ -171,13 +171,7 @@ def test_train_drafter_trains_a_dflash_drafter_that_the_engine_loads(tmp_path):
     from speclens.engine.tools.train import dflash as training
 
     target = tiny_llama(layers=4)
-    model_dir = tmp_path / "tiny-target"
-    target.save_pretrained(model_dir)
-    from tests.tiny import tiny_tokenizer
-
-    tiny_tokenizer().save_pretrained(model_dir)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"instruction": f"Count to {i}: one two three"}) for i in range(10)))
+    model_dir, prompts = training_files(tmp_path, target)
     out = tmp_path / "dflash"
     assert main(["train-drafter", "--kind", "dflash", "--target", str(model_dir), "--prompts", str(prompts),
                  "--out", str(out), "--held-out", "2", "--answer-tokens", "16", "--epochs", "6", "--eval-tokens", "8",

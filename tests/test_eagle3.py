@@ -17,7 +17,7 @@ from speclens.engine.runtime.cache import CachedModel
 from speclens.engine.runtime.models import _use_cpu_kernels
 from speclens.engine.session import Engine, EngineError
 from tests.native import needs_native
-from tests.tiny import loaded, tiny_llama, tiny_tokenizer
+from tests.tiny import loaded, tiny_llama, tiny_tokenizer, training_files
 
 DRAFT_VOCAB = 160
 LAYERS = (1, 2, 3)  # of a 4-layer target
@@ -233,11 +233,7 @@ def test_train_drafter_trains_an_eagle3_head_that_the_engine_loads(tmp_path):
     from speclens.engine.tools.cli import main
 
     target = tiny_llama(layers=4)
-    model_dir = tmp_path / "tiny-target"
-    target.save_pretrained(model_dir)
-    tiny_tokenizer().save_pretrained(model_dir)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"instruction": f"Count to {i}: one two three"}) for i in range(10)))
+    model_dir, prompts = training_files(tmp_path, target)
     out = tmp_path / "eagle3"
     assert main(["train-drafter", "--kind", "eagle3", "--target", str(model_dir), "--prompts", str(prompts),
                  "--out", str(out), "--held-out", "2", "--answer-tokens", "12", "--epochs", "6", "--eval-tokens", "8",

@@ -135,3 +135,16 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     """HF generate's greedy continuation of ids (n tokens, no EOS stop): the reference output."""
     out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[0, len(ids):].tolist()
+
+
+def training_files(folder, model, prompts: int = 10):
+    """`model` saved with the tiny tokenizer as a target folder, and a prompts file of `prompts` counting
+    instructions: what a `train-drafter` test runs on. Returns (model folder, prompts file)."""
+    import json
+
+    model_dir = folder / "tiny-target"
+    model.save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    path = folder / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"instruction": f"Count to {i}: one two three"}) for i in range(prompts)))
+    return model_dir, path

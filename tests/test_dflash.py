@@ -168,16 +168,15 @@ def test_train_drafter_trains_a_dflash_drafter_that_the_engine_loads(tmp_path):
     """`--kind dflash`: blocks at random anchors learn the target's next tokens; the drafter is saved
     in z-lab's layout, its loss falls, and the Engine decodes exactly with it."""
     from speclens.engine.tools.cli import main
-    from speclens.engine.tools.train import dflash as training
 
     target = tiny_llama(layers=4)
     model_dir, prompts = training_files(tmp_path, target)
     out = tmp_path / "dflash"
     assert main(["train-drafter", "--kind", "dflash", "--target", str(model_dir), "--prompts", str(prompts),
                  "--out", str(out), "--held-out", "2", "--answer-tokens", "16", "--epochs", "6", "--eval-tokens", "8",
-                 "--batch-size", "4", "--lr", "3e-3"]) == 0
+                 "--batch-size", "4", "--lr", "3e-3", "--block-size", "6", "--anchors", "3"]) == 0
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == training.BLOCK_SIZE
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 6
     assert config["dflash_config"]["mask_token_id"] == target.config.vocab_size - 1
     assert config["speclens_init"] == "the target's last layers"
     record = json.loads((out / "training.json").read_text())
@@ -186,7 +185,7 @@ def test_train_drafter_trains_a_dflash_drafter_that_the_engine_loads(tmp_path):
     engine = Engine(loaded(target, "tiny-4"), None, (str(out),))
     ids = engine.encode_chat([{"role": "user", "content": "Count to 3: one two three"}])
     plain = list(engine.generate_ids(ids, GenerationConfig(method="ar", max_new_tokens=24)))[-1].token_ids
-    spec = list(engine.generate_ids(ids, GenerationConfig(method="dflash", k=7, max_new_tokens=24)))[-1]
+    spec = list(engine.generate_ids(ids, GenerationConfig(method="dflash", k=5, max_new_tokens=24)))[-1]
     assert spec.token_ids == plain and spec.drafted > 0
 
 

@@ -209,9 +209,9 @@ def test_the_chain_drafts_the_heads_argmax_through_d2t(tmp_path):
 
 
 @needs_native
-def test_a_target_on_the_native_decoder_moves_to_the_static_forward_for_its_features(tmp_path):
-    """The native decoder returns only the final states: asking for features moves the target to the
-    static-cache forward over the same native linears and cache, and greedy decoding still equals plain."""
+def test_a_target_on_the_native_decoder_keeps_it_for_its_features(tmp_path):
+    """The native decoder returns the inner layers' states too (it runs in stretches between them): a
+    target on it stays on it with an EAGLE-3 head loaded, and greedy decoding still equals plain."""
     model = tiny_llama(layers=4)
     _use_cpu_kernels(model, "native", torch.float32, lambda *a: None)
     write_specforge_checkpoint(tmp_path / "eagle3", tiny_llama(layers=4))
@@ -220,7 +220,7 @@ def test_a_target_on_the_native_decoder_moves_to_the_static_forward_for_its_feat
     ids = plain.encode_chat([{"role": "user", "content": "The capital of France"}])
     want = list(plain.generate_ids(ids, GenerationConfig(method="ar", max_new_tokens=30)))[-1].token_ids
     engine = Engine(loaded(model, "tiny-4"), None, (str(tmp_path / "eagle3"),))
-    assert engine.target_lm.runtime == "static-cache forward"
+    assert engine.target_lm.runtime == "native lean forward" and engine.target_lm.feature_layers
     for method in ("ar", "eagle3", "eagle3_chain"):
         assert list(engine.generate_ids(ids, GenerationConfig(method=method, k=3, max_new_tokens=30)))[-1].token_ids == want
 

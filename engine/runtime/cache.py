@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from speclens.engine.runtime.lean_forward import LeanLlamaForward, lean_forward_for
+from speclens.engine.runtime.lean_forward import lean_forward_for
 from speclens.engine.runtime.masks import node_depths, tree_attention
 from speclens.engine.runtime.static_forward import StaticLlamaForward, static_forward_for, why_not_static
 
@@ -177,16 +177,12 @@ class CachedModel:
 
     def request_features(self, layers: Sequence[int]) -> None:
         """Keep the hidden states of `layers` (HF's hidden_states indices: 0 the embeddings, j the output of
-        layer j - 1) of every position fed, beside the final ones (features_at). The native lean forward
-        returns only the final states, so a target on it moves to the static-cache forward over the same
-        native linears and the same cache buffers (the cache stays valid)."""
+        layer j - 1) of every position fed, beside the final ones (features_at)."""
         top = self.model.config.get_text_config().num_hidden_layers
         if any(not 0 <= j <= top for j in layers):
             raise ValueError(f"feature layers {tuple(layers)} are not hidden-state indices 0..{top} of this model")
         self.feature_layers = tuple(sorted(set(self.feature_layers) | set(layers)))
         self.keep_hidden = True
-        if isinstance(self.lean, LeanLlamaForward):
-            self.lean = static_forward_for(self.model)
 
     def reset(self) -> None:
         self.cached_ids = []

@@ -51,11 +51,10 @@ class LeanLlamaForward:
                  features: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, position_ids [T]; allowed [T, S] bool (the keys each new token may see, S = cached +
         T) or None for causal; cache: an engine.cache cache whose layers are AppendLayers.
-        Returns logits [n_logits, V] of the last rows and, if keep_hidden, final hidden states [T, H]. The
-        native decoder returns no other layer's states: `features` must be empty (CachedModel.request_features
-        moves a target to the static-cache forward)."""
-        if features:
-            raise ValueError("the native lean forward returns only the final hidden states")
+        Returns logits [n_logits, V] of the last rows and, if keep_hidden, final hidden states [T, H], then
+        those of the `features` layers (HF's hidden_states indices: j the output of layer j - 1, the last
+        index the final normed states), [T, (1 + n) H]. Features cut the stack into one native call per
+        stretch of layers between them; each layer's math is the same, so the logits do not change."""
         with torch.inference_mode():
             x = self.embed(input_ids)  # [T, H]
             cos, sin = self.rotations(x, position_ids)  # [T, D] each
@@ -65,14 +64,26 @@ class LeanLlamaForward:
             like = x.new_empty(1, self.kv_heads, 0, self.head_dim)
             for layer in layers:
                 layer.reserve(end, like, like)  # [1, kv heads, capacity, D] each
-            logits, hidden = self.kernel.decoder(
-                x, cos, sin, self.weights, [layer.planes[0] for layer in layers],
-                [layer.planes[1] for layer in layers], cached, allowed, self.norm.weight.detach(),
-                self.model.lm_head.panels, self.model.lm_head.out_features, self.heads, self.kv_heads, *self.columns,
-                self.eps, self.scale, n_logits, keep_hidden)
+            top = len(layers)
+            states = {0: x}
+            start = 0
+            for cut in sorted({j for j in features if 0 < j < top}) + [top]:
+                last = cut == top
+                logits, hidden = self.kernel.decoder(
+                    x, cos, sin, self.weights[6 * start : 6 * cut], [layer.planes[0] for layer in layers[start:cut]],
+                    [layer.planes[1] for layer in layers[start:cut]], cached, allowed,
+                    self.norm.weight.detach() if last else None, self.model.lm_head.panels if last else None,
+                    self.model.lm_head.out_features, self.heads, self.kv_heads, *self.columns, self.eps, self.scale,
+                    n_logits if last else 0, keep_hidden or not last)
+                if not last:
+                    x = states[cut] = hidden  # [T, H]: the residual stream after layer cut - 1
+                start = cut
             for layer in layers:
                 layer.advance(end)
-        return logits, hidden if keep_hidden else None
+        if not keep_hidden:
+            return logits, None
+        states[top] = hidden
+        return logits, torch.cat([hidden, *(states[j] for j in features)], dim=-1) if features else hidden
 
     def move_rows(self, buffers: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
         """Copy cache rows src -> dst (ascending, towards the start) in every buffer [1, KV, capacity, D]."""

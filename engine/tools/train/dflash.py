@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from speclens.engine.tools.train.options import TrainOptions
 
-DRAFT_LAYERS, BLOCK_SIZE, ANCHORS = 2, 8, 4  # per sequence, per step
+DRAFT_LAYERS = 2
 
 
 def block_mask(context: int, anchors: list[int], block: int, device=None) -> torch.Tensor:
@@ -57,7 +57,8 @@ def anchors_of(sample: dict, block: int, n: int, generator) -> list[int]:
     return sorted(set(picks))
 
 
-def dflash_loss(head, step: list[dict], embed, lm_head, noise: float, generator) -> tuple[torch.Tensor, float]:
+def dflash_loss(head, step: list[dict], embed, lm_head, noise: float, generator,
+                anchors_per_sequence: int = 4) -> tuple[torch.Tensor, float]:
     """Mean cross-entropy of every block row to the target's distribution at its position, over the
     sequences of a step; and the rows' top-1 agreement with the target's argmax."""
     import torch
@@ -68,7 +69,7 @@ def dflash_loss(head, step: list[dict], embed, lm_head, noise: float, generator)
     cpu_generator = None if generator is None else torch.Generator().manual_seed(int(torch.randint(
         0, 2**31, (1,), generator=generator, device=generator.device)))
     for sample in step:
-        anchors = anchors_of(sample, block, ANCHORS, cpu_generator)
+        anchors = anchors_of(sample, block, anchors_per_sequence, cpu_generator)
         if not anchors:
             continue
         tokens = sample["tokens"].to(device)
@@ -134,7 +135,7 @@ class DFlashKind(HeadKind):
                              rms_norm_eps=text.rms_norm_eps, rope_theta=getattr(text, "rope_theta", 10000.0),
                              max_position_embeddings=text.max_position_embeddings, vocab_size=text.vocab_size,
                              hidden_act=text.hidden_act, tie_word_embeddings=False)
-        head = DFlashHead(config, BLOCK_SIZE, text.vocab_size - 1,
+        head = DFlashHead(config, options.block_size, text.vocab_size - 1,
                           default_target_layers(text.num_hidden_layers, DRAFT_LAYERS), text.hidden_size)
         head.num_target_layers = text.num_hidden_layers
         copied = _copy_last_layers(head, model)
@@ -144,7 +145,7 @@ class DFlashKind(HeadKind):
 
     def loss(self, head, step, inputs: LossInputs, generator, unroll: int):
         noise = inputs.options.feature_noise if generator is not None else 0.0
-        return dflash_loss(head, step, inputs.embed, inputs.lm_head, noise, generator)
+        return dflash_loss(head, step, inputs.embed, inputs.lm_head, noise, generator, inputs.options.anchors)
 
     def uses_draft_vocab(self, head) -> bool:
         return False  # proposals go through the target's whole LM head
@@ -160,8 +161,9 @@ class DFlashKind(HeadKind):
                                    lambda target: DFlashDrafter(head, target))}
 
     def architecture(self, options: TrainOptions) -> str:
-        return (f"{DRAFT_LAYERS} Qwen3-style layers (q/k norms) over blocks of {BLOCK_SIZE} (the known token and "
-                f"{BLOCK_SIZE - 1} masks) attending to fc + hidden_norm of the target's fused states")
+        return (f"{DRAFT_LAYERS} Qwen3-style layers (q/k norms) over blocks of {options.block_size} (the known token and "
+                f"{options.block_size - 1} masks) attending to fc + hidden_norm of the target's fused states; "
+                f"{options.anchors} blocks per sequence per step")
 
 
 def _copy_last_layers(head, model) -> bool:

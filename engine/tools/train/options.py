@@ -26,7 +26,7 @@ _INT_RANGES = (
     ("tokens_per_step", 1, 10_000_000), ("unroll", 1, 16), ("draft_vocab", 0, 10_000_000), ("medusa_heads", 1, 16),
     ("medusa_layers", 1, 16), ("medusa_tree_nodes", 1, 1024), ("depth", 1, MAX_K), ("top_k", 1, 1024),
     ("budget", 1, 1024), ("chain", 1, MAX_K), ("eval_tokens", 0, 32_768), ("threads", 1, 1024), ("seed", 0, 2**63 - 1),
-    ("max_shard_sequences", 0, 1_000_000_000),
+    ("max_shard_sequences", 0, 1_000_000_000), ("block_size", 2, 64), ("anchors", 1, 4096),
 )
 _FLOAT_RANGES = (("feature_noise", 0.0, 10.0), ("ce_weight", 0.0, 1000.0), ("distil_seconds", 0.0, 1e7))
 
@@ -79,6 +79,8 @@ class TrainOptions:
     evaluate_only: bool = False  # measure tau of the head already in OUT and rewrite its card (no training)
     distil_seconds: float = 0.0  # stop distilling after this long (what is done is kept; 0: no limit)
     max_shard_sequences: int = 0  # train on at most this many of the shards' sequences, the first ones (0: all)
+    block_size: int = 8  # DFlash: the block one forward fills (the known token and block_size - 1 masks)
+    anchors: int = 4  # DFlash: blocks drawn per training sequence per step (more: more signal per feature prefill)
 
     def __post_init__(self) -> None:  # refused before any model loads, one line each (limits)
         check_choice("--kind", self.kind, KINDS)
@@ -180,7 +182,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = TrainOptions("eagle", "", (), "")
     for name in ("max_prompts", "held_out", "answer_tokens", "sampled_answers", "batch_size", "epochs",
                  "tokens_per_step", "unroll", "draft_vocab", "medusa_heads", "medusa_layers", "medusa_tree_nodes", "depth", "top_k", "budget", "chain",
-                 "eval_tokens", "threads", "seed"):
+                 "eval_tokens", "threads", "seed", "block_size", "anchors"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--self-prompts", type=int, default=defaults.self_prompts, metavar="N",
                         help="also train on N user prompts the target writes itself (Magpie), kept in OUT/self-prompts.jsonl")

@@ -242,9 +242,12 @@ def test_every_head_method_on_a_packed_target_equals_plain_decoding(models):
         assert list(summary.token_ids) == reference, name
         assert summary.drafted > 0, name
     drafter = factories["eagle_tree"](CachedModel(packed))
-    if native_kernel_of(packed) is not None:  # drafters follow the target, from bfloat16 weights
+    if native_kernel_of(packed) is not None:  # drafters follow the target: integer kernels, else bfloat16 weights
         layers = [m for m in drafter.head.modules() if isinstance(m, NativeLinear)]
-        assert layers and all(m.panels.dtype == torch.bfloat16 for m in layers)
+        if packed.lm_head.integer:
+            assert layers and all(m.integer for m in layers)
+        else:
+            assert layers and all(m.panels.dtype == torch.bfloat16 for m in layers)
     else:
         assert any(isinstance(m, PackedLinear) for m in drafter.head.modules())  # drafters follow the target
         if packed_kernels_work(torch.bfloat16):  # and draft in bfloat16: half the bytes, exactness untouched

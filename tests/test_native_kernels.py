@@ -623,3 +623,38 @@ def test_integer_kernels_that_are_unavailable_are_refused_in_one_line(monkeypatc
     model = tiny_quantised_llama(seed=0)  # auto then keeps the float blocks
     _use_cpu_kernels(model, "auto", torch.float32, lambda *a: None)
     assert not model.lm_head.integer and model.lm_head.panels.dtype == torch.int8
+
+
+@needs_integer
+def test_drafters_of_an_integer_target_run_the_integer_kernel_on_weights_rounded_to_q8_0(tmp_path):
+    """An integer target's drafters (an EAGLE head, its draft rows) run the integer kernel too, on their
+    weights rounded to Q8_0: d * q per 32 inputs, within half a level of the float weight; the head's
+    outputs stay close to those of its float weights, and greedy decoding with it equals plain."""
+    from speclens.engine.decoding.decode import GenerationConfig
+
+    weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    rounded = native_kernels.round_to_q8_0(weight)
+    step = (weight.reshape(64, 3, 32).abs().amax(-1, keepdim=True) / 127).expand(64, 3, 32).reshape(64, 96)
+    assert (rounded - weight).abs().le(step * 0.51).all() and not torch.equal(rounded, weight)
+    assert native_kernels.pack_byte_blocks(rounded) is not None  # exactly Q8_0-style: 8-bit blocks
+    assert native_kernels.round_to_q8_0(weight[:, :40]) is None  # inputs not in blocks of 32
+    model = tiny_quantised_llama(seed=0)
+    _use_cpu_kernels(model, "integer", torch.float32, lambda *a: None)
+    head = EagleHead.for_target(model.config)
+    torch.nn.init.normal_(head.fc.weight, std=0.05)
+    copy = drafter_module(head, model)
+    layers = [m for m in copy.modules() if isinstance(m, NativeLinear)]
+    assert layers and all(m.integer for m in layers)
+    rows = drafter_linear(model, model.get_output_embeddings().weight[:10], None)
+    assert isinstance(rows, NativeLinear) and rows.integer
+    x = torch.randn(3, head.fc.in_features, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want, got = head.fc(x), copy.fc(x)
+    assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.05
+    head.save(tmp_path / "eagle")
+    engine = Engine(loaded(model, "tiny"), None, (str(tmp_path / "eagle"),))
+    ids = engine.encode_chat([{"role": "user", "content": "one two three"}])
+    plain = list(engine.generate_ids(ids, GenerationConfig(method="ar", max_new_tokens=16)))[-1].token_ids
+    for method in ("eagle", "eagle_chain"):
+        spec = list(engine.generate_ids(ids, GenerationConfig(method=method, k=3, max_new_tokens=16)))[-1]
+        assert spec.token_ids == plain and spec.drafted > 0, method

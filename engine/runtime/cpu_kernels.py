@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from speclens.engine.runtime.native_kernels import NativeLinear, use_native_linears
+from speclens.engine.runtime.native_kernels import NativeLinear, round_to_q8_0
 
 
 @functools.cache  # a property of the torch build: checked once per dtype, not per model or drafter
@@ -305,6 +305,15 @@ def is_packed(model: nn.Module) -> bool:
     return isinstance(model.get_output_embeddings(), (PackedLinear, NativeLinear))
 
 
+def integer_target(target: nn.Module) -> bool:
+    """Whether a target runs the native integer kernels (8-bit activations): its drafters' linears then
+    run them too, on their weights rounded to Q8_0 (drafter_module, drafter_linear): an EAGLE or DFlash
+    step on a CPU then streams a quarter of the float32 bytes and multiplies in integers, as the target
+    does, instead of one float32 FMA per weight per row."""
+    output = target.get_output_embeddings()
+    return isinstance(output, NativeLinear) and output.integer
+
+
 def drafting_dtype(target: nn.Module) -> torch.dtype:
     """The precision drafters run in. A drafter's numbers never touch exactness (verification uses
     whatever distribution it drafted from), so with oneDNN-packed kernels drafters read half the bytes
@@ -321,10 +330,31 @@ def drafter_module(module: nn.Module, target: nn.Module) -> nn.Module:
     module = copy.deepcopy(module).to(next(target.parameters()).device, drafting_dtype(target)).eval()
     native = native_kernel_of(target)
     if native is not None:
-        use_native_linears(module, native, bfloat16=True)
+        _drafter_native_linears(module, native, integer_target(target))
     elif is_packed(target):
         pack_linears(module, one_row=one_row_mode(target))
     return module
+
+
+def _drafter_native_linear(native, weight: torch.Tensor, bias: torch.Tensor | None, integer: bool) -> NativeLinear:
+    """A drafter's linear on the native kernel: with `integer`, its weight rounded to Q8_0 on the integer
+    kernel; else (or where the weight does not round: inputs not a multiple of 32) bfloat16 panels."""
+    if integer:
+        rounded = round_to_q8_0(weight.detach().float())
+        if rounded is not None:
+            linear = NativeLinear(native, rounded, bias, integer=True)
+            if linear.integer:
+                return linear
+    return NativeLinear(native, weight, bias, bfloat16=True)
+
+
+def _drafter_native_linears(module: nn.Module, native, integer: bool) -> None:
+    """Swap every float32 CPU nn.Linear under module for _drafter_native_linear's."""
+    for name, child in list(module.named_children()):
+        if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
+            setattr(module, name, _drafter_native_linear(native, child.weight, child.bias, integer))
+        else:
+            _drafter_native_linears(child, native, integer)
 
 
 def drafter_linear(target: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
@@ -332,7 +362,7 @@ def drafter_linear(target: nn.Module, weight: torch.Tensor, bias: torch.Tensor |
     target runs on SpecLens's kernels, else an nn.Linear sharing the given tensors."""
     native = native_kernel_of(target)
     if native is not None:
-        return NativeLinear(native, weight, bias, bfloat16=True)
+        return _drafter_native_linear(native, weight, bias, integer_target(target))
     if is_packed(target):
         dtype = drafting_dtype(target)
         return PackedLinear(weight.detach().to(dtype), None if bias is None else bias.detach().to(dtype),

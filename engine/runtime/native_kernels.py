@@ -339,6 +339,19 @@ def pack_byte_blocks(weight: torch.Tensor, integer: bool = False) -> torch.Tenso
     return torch.cat([_per_column(d).view(torch.int8), q], dim=-1).contiguous()  # [P, B, 544]
 
 
+def round_to_q8_0(weight: torch.Tensor) -> torch.Tensor | None:
+    """float32 [N, K] -> the nearest Q8_0-style weight (per 32 inputs d * q, d = max |w| / 127 in half
+    precision, q = round(w / d)), which pack_byte_blocks packs as 8-bit blocks; None if K is not a
+    multiple of 32. For drafters on integer kernels: a drafter's precision never touches exactness."""
+    n, k = weight.shape
+    if k % 32:
+        return None
+    blocks = weight.detach().float().reshape(n, k // 32, 32)
+    d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()  # [N, K / 32, 1]
+    q = torch.where(d > 0, torch.round(blocks / d), torch.zeros_like(blocks)).clamp(-127, 127)
+    return (d * q).reshape(n, k).contiguous()
+
+
 def _blocks_of_32(weight: torch.Tensor) -> torch.Tensor | None:
     """float32 [N, K] -> [N', B, 32]: N zero padded to a multiple of 64, the inputs in blocks of 32
     (None if K is not a multiple of 32)."""

@@ -351,6 +351,19 @@ def test_synthetic_methods_run_beside_plain_decoding_and_stay_exact(engine):
                                                     sampling=SamplingParams(temperature=1.0), warmup=False))
 
 
+def test_a_method_runs_at_its_own_draft_length_beside_the_others(engine):
+    """`draft:1` beside `draft` at -k 3: the same method at K = 1 drafts one token a step, stays exact, and
+    is reported under its own name; a length out of range is refused in one line."""
+    report = run_bench(engine, PROMPTS[:2], BenchOptions(methods=("draft", "draft:1"), max_new_tokens=16, k=3,
+                                                         warmup=False))
+    assert list(report.methods) == ["ar", "draft", "draft:1"]
+    assert report.methods["draft:1"].equal_to_ar is True
+    assert len(report.methods["draft:1"].per_position_acceptance) == 1
+    assert len(report.methods["draft"].per_position_acceptance) == 3
+    with pytest.raises(ValueError, match="draft length from 1"):
+        run_bench(engine, PROMPTS[:1], BenchOptions(methods=("draft:0",), max_new_tokens=4, warmup=False))
+
+
 @pytest.mark.parametrize("method", ["synthetic@", "synthetic@1.5", "synthetic@x"])
 def test_malformed_synthetic_methods_get_one_line(method, capsys):
     from speclens.engine.tools.bench import cmd_bench

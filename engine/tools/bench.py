@@ -37,7 +37,7 @@ import torch
 
 from speclens.engine.decoding.decode import GenerationConfig
 from speclens.engine.decoding.events import StepEvent, Summary
-from speclens.engine.decoding.limits import KNOWN_METHODS, SettingError
+from speclens.engine.decoding.limits import KNOWN_METHODS, MAX_K, SettingError
 from speclens.engine.decoding.sampling import SamplingParams
 from speclens.engine.drafters.synthetic import SyntheticDrafter, greedy_reference
 from speclens.engine.runtime.attention import is_native_attention
@@ -49,6 +49,17 @@ from speclens.engine.tools.peers import LLAMA_CPP, llama_cpp_peer, llama_cpp_pro
 
 HF_METHODS = ("hf_generate", "hf_assisted", "hf_lookup")
 SYNTHETIC = "synthetic@"  # synthetic@0.8: the synthetic drafter at acceptance 0.8
+
+
+def draft_length(method: str) -> tuple[str, int | None]:
+    """`dflash:7` -> ("dflash", 7): one of our methods at its own draft length K, beside others at -k (a
+    DFlash block proposes up to block - 1 tokens, a chain is best shorter); ("ar", None) for `ar`."""
+    base, colon, k = method.partition(":")
+    if not colon:
+        return method, None
+    if not k.isdigit() or not 1 <= int(k) <= MAX_K:
+        raise SettingError(f"--methods: {method} needs a draft length from 1 to {MAX_K} after the colon, as in dflash:7")
+    return base, int(k)
 
 
 def synthetic_acceptance(method: str) -> float | None:
@@ -179,17 +190,19 @@ def resolve_methods(engine, asked: Sequence[str] | None) -> tuple[str, ...]:
     if asked is None:
         return available
     synthetic = tuple(m for m in asked if synthetic_acceptance(m) is not None)
-    unknown = [m for m in asked if m not in available and m not in synthetic]
+    lengths = tuple(m for m in asked if draft_length(m)[1] is not None and draft_length(m)[0] in available)
+    unknown = [m for m in asked if m not in available and m not in synthetic and m not in lengths]
     if LLAMA_CPP in unknown:  # say why, in one line
         raise ValueError(f"method {LLAMA_CPP} not available here: {llama_cpp_problem(engine)}")
     if unknown:
         raise ValueError(f"method(s) {', '.join(unknown)} not available here; choose from {', '.join(available)}")
-    return tuple(m for m in available if m == "ar" or m in asked) + synthetic  # `ar` is the reference
+    return tuple(m for m in available if m == "ar" or m in asked) + lengths + synthetic  # `ar` is the reference
 
 
 def run_ours(engine, method: str, ids: list[int], options: BenchOptions, seed: int, max_new: int) -> Run:
+    base, k = draft_length(method)
     config = GenerationConfig(
-        method=method, k=options.k, sampling=options.sampling, max_new_tokens=max_new, seed=seed
+        method=base, k=k or options.k, sampling=options.sampling, max_new_tokens=max_new, seed=seed
     )
     engine.target_lm.reset()  # every run starts cold, like HF's
     drafted: list[int] = []
@@ -614,7 +627,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--methods", default=None,
-                        help="comma-separated subset, e.g. ar,hf_generate,lookup (ar always runs)")
+                        help="comma-separated subset, e.g. ar,hf_generate,lookup (ar always runs); METHOD:K runs one of ours "
+                        "at its own draft length, e.g. dflash:7")
     parser.add_argument("--threads", default="auto",
                         help="torch CPU threads: a number, or 'auto' to time 1..all cores first and keep the fastest")
     parser.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run per method")
@@ -642,7 +656,7 @@ def cmd_bench(args: argparse.Namespace, engine_factory: Callable | None = None) 
         )
         GenerationConfig(k=options.k, max_new_tokens=options.max_new_tokens)  # validates both
         unknown = [m for m in options.methods or () if m not in (*KNOWN_METHODS, *HF_METHODS, LLAMA_CPP)
-                   and synthetic_acceptance(m) is None]
+                   and synthetic_acceptance(m) is None and draft_length(m)[0] not in KNOWN_METHODS[1:]]
         if unknown:  # said before loading; which known ones this pair offers is said after
             raise SettingError(f"--methods: unknown {', '.join(unknown)}; known: "
                                f"{', '.join((*KNOWN_METHODS, *HF_METHODS, LLAMA_CPP))}")

@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from speclens.engine.runtime.native_kernels import NativeLinear, round_to_q8_0
+from speclens.engine.runtime.native_kernels import NativeLinear, round_to_q8_0, use_native_linears
 
 
 @functools.cache  # a property of the torch build: checked once per dtype, not per model or drafter
@@ -330,39 +330,27 @@ def drafter_module(module: nn.Module, target: nn.Module) -> nn.Module:
     module = copy.deepcopy(module).to(next(target.parameters()).device, drafting_dtype(target)).eval()
     native = native_kernel_of(target)
     if native is not None:
-        _drafter_native_linears(module, native, integer_target(target))
+        integer = integer_target(target)
+        if integer:
+            for linear in (m for m in module.modules() if type(m) is nn.Linear):
+                rounded = round_to_q8_0(linear.weight)
+                if rounded is not None:
+                    linear.weight.data = rounded  # the module is our copy
+        use_native_linears(module, native, bfloat16=not integer, integer=integer)
     elif is_packed(target):
         pack_linears(module, one_row=one_row_mode(target))
     return module
-
-
-def _drafter_native_linear(native, weight: torch.Tensor, bias: torch.Tensor | None, integer: bool) -> NativeLinear:
-    """A drafter's linear on the native kernel: with `integer`, its weight rounded to Q8_0 on the integer
-    kernel; else (or where the weight does not round: inputs not a multiple of 32) bfloat16 panels."""
-    if integer:
-        rounded = round_to_q8_0(weight.detach().float())
-        if rounded is not None:
-            linear = NativeLinear(native, rounded, bias, integer=True)
-            if linear.integer:
-                return linear
-    return NativeLinear(native, weight, bias, bfloat16=True)
-
-
-def _drafter_native_linears(module: nn.Module, native, integer: bool) -> None:
-    """Swap every float32 CPU nn.Linear under module for _drafter_native_linear's."""
-    for name, child in list(module.named_children()):
-        if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
-            setattr(module, name, _drafter_native_linear(native, child.weight, child.bias, integer))
-        else:
-            _drafter_native_linears(child, native, integer)
 
 
 def drafter_linear(target: nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
     """A drafter's linear layer over (weight, bias): on the target's kernels in drafting_dtype when the
     target runs on SpecLens's kernels, else an nn.Linear sharing the given tensors."""
     native = native_kernel_of(target)
+    rounded = round_to_q8_0(weight) if native is not None and integer_target(target) else None
+    if rounded is not None:
+        return NativeLinear(native, rounded, bias, integer=True)
     if native is not None:
-        return _drafter_native_linear(native, weight, bias, integer_target(target))
+        return NativeLinear(native, weight, bias, bfloat16=True)
     if is_packed(target):
         dtype = drafting_dtype(target)
         return PackedLinear(weight.detach().to(dtype), None if bias is None else bias.detach().to(dtype),

@@ -190,7 +190,7 @@ def resolve_methods(engine, asked: Sequence[str] | None) -> tuple[str, ...]:
     if asked is None:
         return available
     synthetic = tuple(m for m in asked if synthetic_acceptance(m) is not None)
-    lengths = tuple(m for m in asked if draft_length(m)[1] is not None and draft_length(m)[0] in available)
+    lengths = tuple(m for m in asked if m != draft_length(m)[0] and draft_length(m)[0] in available)
     unknown = [m for m in asked if m not in available and m not in synthetic and m not in lengths]
     if LLAMA_CPP in unknown:  # say why, in one line
         raise ValueError(f"method {LLAMA_CPP} not available here: {llama_cpp_problem(engine)}")

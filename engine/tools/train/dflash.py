@@ -58,7 +58,7 @@ def anchors_of(sample: dict, block: int, n: int, generator) -> list[int]:
 
 
 def dflash_loss(head, step: list[dict], embed, lm_head, noise: float, generator,
-                anchors_per_sequence: int = 4) -> tuple[torch.Tensor, float]:
+                anchors_per_sequence: int) -> tuple[torch.Tensor, float]:
     """Mean cross-entropy of every block row to the target's distribution at its position, over the
     sequences of a step; and the rows' top-1 agreement with the target's argmax."""
     import torch

@@ -31,8 +31,9 @@ from superqt.utils import qthrottled
 from speclens.app.chat_view import token_format
 from speclens.app.settings import AppSettings
 from speclens.app.stats import TokenDiff, advise, diff_tokens, speedup_at
-from speclens.app.worker import EngineWorker
+from speclens.app.worker import EngineWorker, LoadInfo
 from speclens.engine.decoding.advisor import Advice
+from speclens.engine.decoding.drafter import StepCost
 from speclens.engine.decoding.events import StepEvent, Summary, TokenEvent
 
 
@@ -198,6 +199,8 @@ class ComparePanel(QWidget):
         self._pending: set[int] = set()
         self._order: list[int] = []  # request ids in the order they run
         self._errors: list[str] = []
+        self._verify_shape: StepCost | None = None  # the loaded target's, for the advisor
+        worker.loaded.connect(self._on_loaded)
         self._greedy = True
         self._cancels: tuple = ()
         self._predicted_k: int | None = None
@@ -279,6 +282,9 @@ class ComparePanel(QWidget):
         if self._chosen is None:
             return 0.0
         return max(run.summary.elapsed_s for run in self._chosen)
+
+    def _on_loaded(self, info: LoadInfo) -> None:
+        self._verify_shape = info.verify_shape
 
     def set_settings(self, settings: AppSettings) -> None:
         self._settings = settings
@@ -443,7 +449,7 @@ class ComparePanel(QWidget):
                          for p, s in zip(plain, spec))
         speedup = (spec_summary.tokens_per_s / base.tokens_per_s) if base.tokens_per_s > 0 else None
         steps = tuple(spec_run.steps)
-        advice = advise(steps)
+        advice = advise(steps, verify_shape=self._verify_shape)
         predicted_k = predicted = None
         if advice is not None:
             drafting = [s.k for s in steps if s.drafted]

@@ -11,6 +11,7 @@ from PySide6.QtWidgets import QGridLayout, QHBoxLayout, QLabel, QPushButton, QVB
 
 from speclens.app.stats import ROLLING_STEPS, advise, speedup_at, step_series
 from speclens.engine.decoding.advisor import Advice
+from speclens.engine.decoding.drafter import StepCost
 from speclens.engine.decoding.events import StepEvent, Summary
 
 REDRAW_MS = 250  # plots redraw at most 4 times a second: each redraw takes CPU from decoding on a 2-core machine
@@ -221,8 +222,9 @@ class AdvisorPanel(QWidget):
         layout.addLayout(row)
         self.set_measurement(())
 
-    def set_measurement(self, steps: Sequence[StepEvent], source: str = "", current_k: int | None = None) -> None:
-        self.advice = advise(steps, self.k_max) if steps else None
+    def set_measurement(self, steps: Sequence[StepEvent], source: str = "", current_k: int | None = None,
+                        verify_shape: StepCost | None = None) -> None:
+        self.advice = advise(steps, self.k_max, verify_shape) if steps else None
         advice = self.advice
         if advice is None:
             self._curve.setData([], [])

@@ -35,6 +35,7 @@ from PySide6.QtWidgets import (
 
 from speclens.app.plots import AdvisorPanel
 from speclens.engine.decoding.decode import GenerationConfig
+from speclens.engine.decoding.drafter import StepCost
 from speclens.engine.decoding.events import StepEvent
 from speclens.engine.decoding.limits import (
     DTYPES,
@@ -327,11 +328,13 @@ class SettingsDialog(QDialog):
         methods: tuple[str, ...] | None = None,
         steps: tuple[StepEvent, ...] = (),
         steps_source: str = "",
+        verify_shape: StepCost | None = None,
     ) -> None:
         super().__init__(parent)
         self.setWindowTitle("SpecLens settings")
         self.setMinimumWidth(620)
         self._steps, self._steps_source = tuple(steps), steps_source
+        self._verify_shape = verify_shape
 
         self.pair = QComboBox()
         for entry in CATALOG:
@@ -554,7 +557,8 @@ class SettingsDialog(QDialog):
         self.method.setCurrentIndex(index)
 
     def _refresh_advisor(self) -> None:
-        self.advisor.set_measurement(self._steps, self._steps_source, current_k=self.k.value())
+        self.advisor.set_measurement(self._steps, self._steps_source, current_k=self.k.value(),
+                                     verify_shape=self._verify_shape)
 
     def _apply_pair(self, index: int) -> None:
         entry = self.pair.itemData(index)

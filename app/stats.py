@@ -7,7 +7,8 @@ import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from speclens.engine.decoding.advisor import Advice, drafting_share, measure_costs, predict
+from speclens.engine.decoding.advisor import Advice, advise_steps
+from speclens.engine.decoding.drafter import StepCost
 from speclens.engine.decoding.events import StepEvent
 
 ROLLING_STEPS = 16
@@ -88,13 +89,14 @@ def diff_tokens(left: Sequence[int], right: Sequence[int]) -> TokenDiff:
     )
 
 
-def advise(events: Sequence[StepEvent], k_max: int = 16) -> Advice | None:
-    """The speedup advisor's prediction from one answer's measured steps (per-position acceptance
-    and draft/verify timings); None when nothing was drafted, so there is nothing to measure, and
-    for token trees, whose passes verify more tokens than K (the advisor models chains)."""
+def advise(events: Sequence[StepEvent], k_max: int = 16, verify_shape: StepCost | None = None) -> Advice | None:
+    """The speedup advisor's prediction from one answer's measured steps (acceptance per position and
+    draft/verify timings; verify_shape: the loaded target's timed forwards, LoadInfo.verify_shape); None
+    when nothing was drafted, so there is nothing to measure, and for token trees, whose passes verify
+    more tokens than K (the advisor models chains)."""
     if not any(e.drafted for e in events) or any(e.tree for e in events):
         return None
-    return predict(step_series(events).per_position, measure_costs(events), k_max, drafting_share(events))
+    return advise_steps(events, k_max, verify_shape)
 
 
 def speedup_at(advice: Advice, k: int) -> float:

@@ -367,7 +367,9 @@ class MainWindow(QMainWindow):
         measurement; `open_settings` runs it modally."""
         steps, source = self._measured
         methods = self._loaded.methods if self._loaded else None
-        dialog = SettingsDialog(self.settings, self, methods=methods, steps=steps, steps_source=source)
+        shape = self._loaded.verify_shape if self._loaded else None
+        dialog = SettingsDialog(self.settings, self, methods=methods, steps=steps, steps_source=source,
+                                verify_shape=shape)
         dialog.check_requested.connect(lambda s: self.worker.request_load.emit(s.model_settings()))
         if self._loaded and self._loaded.settings == self.settings.model_settings():
             self._show_report(dialog, self._loaded)

@@ -19,6 +19,7 @@ from PySide6.QtCore import QObject, QThread, Signal, Slot
 
 from speclens.app.settings import AUTO_METHOD, DRAFT_MODEL_METHODS, needs_reload
 from speclens.engine.decoding.decode import GenerationConfig
+from speclens.engine.decoding.drafter import StepCost
 from speclens.engine.decoding.events import StepEvent, Summary, TokenEvent
 from speclens.engine.session import Engine, EngineError, ModelSettings
 from speclens.engine.tools.selftest import ChainVerifier, SelftestReport, run_selftest
@@ -46,6 +47,9 @@ class LoadInfo:
     compat_lines: tuple[str, ...]
     drafters: tuple[str, ...] = ()  # per drafter folder: whether it fits the target, and why not
     unfit: int = 0  # drafter folders left out: made for another target
+    # the target's timed forwards over 1, 2, ... tokens (Engine.lookup_cost; None on a GPU): the speedup
+    # advisor's verify-cost shape
+    verify_shape: StepCost | None = None
 
 
 @dataclass(frozen=True)
@@ -255,6 +259,7 @@ class EngineWorker(QObject):
                 compat_lines=() if report is None else tuple(report.lines),
                 drafters=tuple(("✓ " if fit.fits else "✗ ") + fit.line() for fit in engine.drafter_report),
                 unfit=sum(not fit.fits for fit in engine.drafter_report),
+                verify_shape=getattr(engine, "lookup_cost", None),
             )
         )
         return engine

@@ -13,7 +13,7 @@ from PySide6.QtGui import QImage
 
 from speclens.app.main import parse_args
 from speclens.app.settings import AppSettings
-from speclens.engine.decoding.advisor import drafting_share, measure_costs, predict
+from speclens.engine.decoding.advisor import advise_steps
 from speclens.engine.session import EngineError
 from tests.app_fixtures import app_dirs, make_window, record_requests, send_and_wait, tiny_factory  # noqa: F401 (fixtures)
 
@@ -45,7 +45,8 @@ def test_compare_fills_both_panes_and_reports_identical_at_temperature_zero(qtbo
     steps = result.speculative_steps
     assert len({s.k for s in steps if 30 - (s.new_tokens - s.emitted) - 1 >= 3}) > 1, [s.k for s in steps]
     # predicted vs measured speedup, the prediction read off the engine's advisor
-    expected = predict(result.speculative.per_position_acceptance, measure_costs(steps), 16, drafting_share(steps))
+    assert window._loaded.verify_shape is not None
+    expected = advise_steps(steps, 16, window._loaded.verify_shape)
     assert result.advice == expected
     assert result.predicted_speedup == pytest.approx(expected.speedup[result.predicted_k - 1])
     assert "predicted" in window.compare.result.text() and "measured" in window.compare.result.text()

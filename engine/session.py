@@ -37,7 +37,7 @@ from speclens.engine.drafters.folders import drafter_fit
 from speclens.engine.drafters.lookup import PromptLookupDrafter
 from speclens.engine.drafters.trees import DraftModelTreeDrafter, LookupGraftedDrafter
 from speclens.engine.runtime.cache import CachedModel
-from speclens.engine.runtime.cpu_kernels import native_kernel_of
+from speclens.engine.runtime.cpu_kernels import integer_target, native_kernel_of
 from speclens.engine.runtime.models import (
     CPU_KERNELS,
     DEFAULT_MODEL,
@@ -204,7 +204,8 @@ class Engine:
 
     def describe(self) -> str:
         t = self.target
-        kernels = ", native kernels" if native_kernel_of(t.model) is not None else ""
+        kernels = "" if native_kernel_of(t.model) is None else (
+            ", integer kernels (8-bit activations)" if integer_target(t.model) else ", native kernels")
         text = f"{t.name} ({t.device.type}, {str(t.dtype).removeprefix('torch.')}{kernels})"
         return text + (f" + draft {self.draft.name}" if self.draft else "")
 

@@ -25,6 +25,9 @@ def summary_of(engine, prompt_ids, method, k=4, n=64):
 def test_answers_the_obvious_question(engine):
     ids = engine.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in summary_of(engine, ids, "ar", n=20).text
+    build = native_build()
+    if build is not None and build.integer:  # auto picks the integer kernels where their check passes; the
+        assert "integer kernels" in engine.describe()  # window and the logs say which run
 
 
 @pytest.mark.parametrize("k", [2, 5])

@@ -86,6 +86,7 @@ DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda", "mps")  # offered in the dial
 CPU_KERNEL_LABELS = {  # the engine's CPU_KERNELS, as the dialog names them
     "auto": "auto (integer where its check passes on this CPU)",
     "integer": "integer (8-bit activations, VNNI / AVX2)",
+    "integer16": "integer16 (16-bit activations: closer to float32, slower blocks)",
     "native": "native float32 (exact float math)",
     "packed": "packed (PyTorch, oneDNN)",
     "stock": "stock (PyTorch's nn.Linear)",

@@ -205,7 +205,8 @@ class Engine:
     def describe(self) -> str:
         t = self.target
         kernels = "" if native_kernel_of(t.model) is None else (
-            ", integer kernels: 8-bit activations" if integer_target(t.model) else ", native kernels")
+            (", integer kernels: 16-bit activations" if t.model.get_output_embeddings().residual
+             else ", integer kernels: 8-bit activations") if integer_target(t.model) else ", native kernels")
         text = f"{t.name} ({t.device.type}, {str(t.dtype).removeprefix('torch.')}{kernels})"
         return text + (f" + draft {self.draft.name}" if self.draft else "")
 

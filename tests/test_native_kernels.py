@@ -25,7 +25,13 @@ from speclens.engine.runtime.cache import CachedModel
 from speclens.engine.runtime.cpu_kernels import drafter_linear, drafter_module, is_packed, native_kernel_of
 from speclens.engine.runtime.masks import tree_attention
 from speclens.engine.runtime.models import LoadOptions, ModelLoadError, _use_cpu_kernels
-from speclens.engine.runtime.native_kernels import NativeLinear, native_build, quantize_q8, use_native_linears
+from speclens.engine.runtime.native_kernels import (
+    NativeLinear,
+    native_build,
+    quantize_q8,
+    quantize_q16,
+    use_native_linears,
+)
 from speclens.engine.session import Engine
 from speclens.engine.tools.selftest import block_invariance_line
 from tests.native import native_or_skip, needs_integer, needs_native
@@ -533,6 +539,31 @@ def test_integer_kernels_compute_the_quantised_rows_times_the_exact_weights(bias
 
 
 @needs_integer
+@pytest.mark.parametrize("name, make", [("4-bit", q4_weight), ("8-bit", q8_weight)], ids=["4-bit", "8-bit"])
+def test_16_bit_activations_are_the_two_passes_and_about_300x_nearer_the_float_product(name, make):
+    """residual (--cpu-kernels integer16): each row is its Q8 blocks plus the Q8 blocks of what their
+    rounding left (quantize_q16), multiplied by the exact weights; every row on its own, bit for bit."""
+    weight = make(300, 576, seed=7)
+    b = torch.randn(300, generator=torch.Generator().manual_seed(4))
+    layer = NativeLinear(native, weight, b, integer=True, residual=True)
+    eight = NativeLinear(native, weight, b, integer=True)
+    assert layer.residual and not eight.residual and "16-bit activations" in repr(layer)
+    assert not NativeLinear(native, weight, b, residual=True).residual  # float blocks have no activation rounding
+    with torch.inference_mode():
+        for rows in (1, 2, 5, 8, 9, 17, 33):
+            x = _rows_of_many_scales(rows, 576, seed=rows)
+            got = layer(x)
+            want = quantize_q16(x).double() @ weight.double().T + b.double()
+            scale = (x.abs().double() @ weight.abs().double().T).amax(-1, keepdim=True) + 1.0
+            assert ((got.double() - want).abs() / scale).max() < 1e-5, rows
+            exact = x.double() @ weight.double().T + b.double()
+            error = ((got.double() - exact).norm(dim=-1) / exact.norm(dim=-1)).max()
+            error8 = ((eight(x).double() - exact).norm(dim=-1) / exact.norm(dim=-1)).max()
+            assert error < 1e-4 and error < error8 / 100, (rows, float(error), float(error8))
+            assert _row_dependence(layer, x) is None, rows
+
+
+@needs_integer
 def test_an_integer_row_gives_the_same_bits_alone_in_any_block_and_on_any_thread_count():
     layer = NativeLinear(native, q4_weight(300, 576, seed=2), None, integer=True)
     block = _rows_of_many_scales(40, 576, seed=9)
@@ -573,22 +604,24 @@ def test_the_integer_self_check_passes_here_and_catches_a_kernel_that_mixes_rows
     assert native_kernels.integer_self_check(native) is None
 
     class MixesRows:  # quantises each row against the block's largest value, as a broken tile would
-        def linear(self, x, panels, bias, n):
+        def linear(self, x, panels, bias, n, residual=False):
             x = x.clone()
             x[:, 0] = x.abs().amax()
-            return native.linear(x, panels, bias, n)
+            return native.linear(x, panels, bias, n, residual)
 
     assert "differ" in native_kernels.integer_self_check(MixesRows())
 
 
 @needs_integer
-def test_an_integer_target_scores_a_block_and_a_tree_exactly_as_plain_decoding():
+@pytest.mark.parametrize("mode, tolerance", [("integer", 0.05), ("integer16", 5e-4)])
+def test_an_integer_target_scores_a_block_and_a_tree_exactly_as_plain_decoding(mode, tolerance):
     """On the integer kernels (lean forward included) a verified chain and a tree give, bit for bit, the
     logits of the same tokens decoded one at a time; against the float32 blocks they differ by the
-    rounding of activations to 8 bits only."""
+    rounding of activations to 8 bits (or 16) only."""
     model = tiny_quantised_llama(seed=0)
-    _use_cpu_kernels(model, "integer", torch.float32, lambda *a: None)
+    _use_cpu_kernels(model, mode, torch.float32, lambda *a: None)
     assert model.lm_head.integer and model.model.layers[0].mlp.down_proj.integer
+    assert model.lm_head.residual == model.model.layers[0].mlp.down_proj.residual == (mode == "integer16")
     assert CachedModel(model).lean is not None
     ids = tiny_tokenizer()(PROMPT)["input_ids"]
     extra = ids[:5]
@@ -610,7 +643,7 @@ def test_an_integer_target_scores_a_block_and_a_tree_exactly_as_plain_decoding()
     reference.prefill(ids)
     want = reference.forward(ids, extra, len(extra) + 1)
     assert not torch.equal(want, rows)  # the integer path really ran
-    assert ((rows - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.05
+    assert ((rows - want).norm(dim=-1) / want.norm(dim=-1)).max() < tolerance
 
 
 def test_integer_kernels_that_are_unavailable_are_refused_in_one_line(monkeypatch):

@@ -125,7 +125,7 @@ class EagleHead(nn.Module):
         _, out = attention.q_proj.kernel.decoder(
             x.contiguous(), cos[0].contiguous(), sin[0].contiguous(), weights, [keys[0]], [values[0]], cached,
             mask.to(x.device), None, None, 0, config.num_attention_heads, config.num_key_value_heads, *columns,
-            self.layer.input_layernorm.variance_epsilon, attention.scaling, 0, True)
+            self.layer.input_layernorm.variance_epsilon, attention.scaling, 0, True, attention.q_proj.residual)
         cache.advance(end)
         return out
 

@@ -74,7 +74,7 @@ class LeanLlamaForward:
                     [layer.planes[1] for layer in layers[start:cut]], cached, allowed,
                     self.norm.weight.detach() if last else None, self.model.lm_head.panels if last else None,
                     self.model.lm_head.out_features, self.heads, self.kv_heads, *self.columns, self.eps, self.scale,
-                    n_logits if last else 0, keep_hidden or not last)
+                    n_logits if last else 0, keep_hidden or not last, self.model.lm_head.residual)
                 if not last:
                     x = states[cut] = hidden  # [T, H]: the residual stream after layer cut - 1
                 start = cut
@@ -124,6 +124,8 @@ def decoder_layers_fit(layers, config) -> bool:
     return (config.hidden_act == "silu" and getattr(config, "pretraining_tp", 1) == 1
             and all(type(linear) is NativeLinear and linear.bias is None and hasattr(linear.kernel, "decoder")
                     for linear in linears)
+            # one activation precision for the whole stack (the decoder takes one)
+            and len({linear.residual for linear in linears}) == 1
             # a stacked product reads one format (float32, bfloat16, 4-bit or 8-bit blocks, float or integer) for all its linears
             and all(len({(linear.panels.dtype, linear.panels.shape[1:]) for linear in group}) == 1 for group in stacked))
 
@@ -155,7 +157,7 @@ def lean_forward_for(model: nn.Module) -> LeanLlamaForward | None:
     layers = list(inner.layers[: config.num_hidden_layers])
     head = model.lm_head
     if (type(head) is not NativeLinear or head.bias is not None or type(inner.embed_tokens) is not nn.Embedding
-            or not decoder_layers_fit(layers, config)
+            or not decoder_layers_fit(layers, config) or layers[0].self_attn.q_proj.residual != head.residual
             or head.panels.dtype not in EXACT_FORMATS
             or any(layer.self_attn.q_proj.panels.dtype not in EXACT_FORMATS for layer in layers)):
         return None

@@ -847,31 +847,52 @@ bool integer_nibbles(const torch::Tensor& panels, int64_t K, int64_t N) {
 }
 
 // out [M, N] (= or +=) the M rows xs [M, K], each quantised to Q8 blocks on its own, against integer blocks.
+// With `residual` (16-bit activations) a row becomes two Q8 rows: its blocks, then the blocks of what
+// their rounding left (x - d q, quantised again, so about 16 bits of each activation survive), and its
+// output is the sum of the two rows' outputs: twice the integer work of a row, still on its own.
 void integer_product(const float* xs, int64_t M, int64_t K, const torch::Tensor& panels, int64_t N, float* out,
-                     bool add) {
+                     bool add, bool residual = false) {
   const bool nibbles = integer_nibbles(panels, K, N);
-  const int64_t B = K / 32;
+  const int64_t B = K / 32, R = residual ? 2 * M : M;
   Q8Rows rows;
-  rows.q.resize(M * K);
-  rows.d.resize(M * B);
-  rows.s.resize(M * B);
-  for (int64_t r = 0; r < M; ++r)  // each row on its own: its blocks never see another row
-    quantize_row(xs + r * K, K, rows.q.data() + r * K, rows.d.data() + r * B, rows.s.data() + r * B);
+  rows.q.resize(R * K);
+  rows.d.resize(R * B);
+  rows.s.resize(R * B);
+  std::vector<float> rest(residual ? K : 0);
+  for (int64_t r = 0; r < M; ++r) {  // each row on its own: its blocks never see another row
+    const int64_t at = residual ? 2 * r : r;
+    const float* x = xs + r * K;
+    int8_t* q = rows.q.data() + at * K;
+    float* d = rows.d.data() + at * B;
+    quantize_row(x, K, q, d, rows.s.data() + at * B);
+    if (!residual) continue;
+    for (int64_t i = 0; i < K; ++i) rest[i] = std::fma(-d[i / 32], static_cast<float>(q[i]), x[i]);  // exact
+    quantize_row(rest.data(), K, q + K, d + B, rows.s.data() + (at + 1) * B);
+  }
+  std::vector<float> parts(residual ? R * N : 0);  // [2M, N]: each row's two outputs
+  float* into = residual ? parts.data() : out;
   const uint8_t* w = panels.data_ptr<uint8_t>();
   const int64_t stride = B * (nibbles ? 320 : 544), used = (N + kPanel - 1) / kPanel;
   at::parallel_for(0, used, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
-      if (nibbles) int_rows<true>(rows, M, K, w + p * stride, out + p * kPanel, N, cols, add);
-      else int_rows<false>(rows, M, K, w + p * stride, out + p * kPanel, N, cols, add);
+      if (nibbles) int_rows<true>(rows, R, K, w + p * stride, into + p * kPanel, N, cols, add && !residual);
+      else int_rows<false>(rows, R, K, w + p * stride, into + p * kPanel, N, cols, add && !residual);
     }
   });
+  if (!residual) return;
+  for (int64_t r = 0; r < M; ++r) {
+    const float* a = parts.data() + 2 * r * N;
+    const float* b = a + N;
+    float* o = out + r * N;
+    for (int64_t n = 0; n < N; ++n) o[n] = add ? o[n] + (a[n] + b[n]) : a[n] + b[n];
+  }
 }
 
 // x [..., K] float32 quantised to Q8 blocks, against integer-layout blocks [P, K / 32, 5, 64] (4-bit) or
 // [P, K / 32, 17, 32] (8-bit); bias [N] or None -> [..., N]. linear() sends integer layouts here.
 torch::Tensor linear_integer(const torch::Tensor& x, const torch::Tensor& panels,
-                             const c10::optional<torch::Tensor>& bias, int64_t N) {
+                             const c10::optional<torch::Tensor>& bias, int64_t N, bool residual) {
   const int64_t K = x.size(-1);
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "linear takes float32 CPU input");
   integer_nibbles(panels, K, N);
@@ -881,7 +902,7 @@ torch::Tensor linear_integer(const torch::Tensor& x, const torch::Tensor& panels
   sizes.back() = N;
   auto out = torch::empty({M, N}, x.options());
   if (M == 0) return out.view(sizes);
-  integer_product(flat.data_ptr<float>(), M, K, panels, N, out.data_ptr<float>(), false);
+  integer_product(flat.data_ptr<float>(), M, K, panels, N, out.data_ptr<float>(), false, residual);
   if (bias.has_value() && bias->defined()) {
     const auto b = bias->contiguous();
     TORCH_CHECK(b.scalar_type() == torch::kFloat32 && b.numel() == N, "bias must be float32 [N]");
@@ -890,10 +911,11 @@ torch::Tensor linear_integer(const torch::Tensor& x, const torch::Tensor& panels
   return out.view(sizes);
 }
 
-// x [..., K] float32, panels from pack(), bias [N] or None -> [..., N].
+// x [..., K] float32, panels from pack(), bias [N] or None -> [..., N]; residual: integer layouts only,
+// 16-bit activations as two Q8 rows (integer_product).
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& panels, const c10::optional<torch::Tensor>& bias,
-                     int64_t N) {
-  if (panels.dim() == 4) return linear_integer(x, panels, bias, N);
+                     int64_t N, bool residual) {
+  if (panels.dim() == 4) return linear_integer(x, panels, bias, N, residual);
   const int64_t K = x.size(-1);
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "linear takes float32 CPU input");
   const bool nibbles = panels.scalar_type() == torch::kUInt8, bytes = panels.scalar_type() == torch::kChar;
@@ -1112,12 +1134,12 @@ void silu_mul(const float* g, const float* u, int64_t ld, int64_t T, int64_t I, 
 
 // x [T, H] += rows [T, K] @ W^T: integer blocks add into x in the tile's store (no product tensor, no
 // add_ call: at T = 1 those were a tenth of a layer's time); other panels through linear() and add_.
-void add_product(torch::Tensor& x, const torch::Tensor& rows, const torch::Tensor& panels) {
+void add_product(torch::Tensor& x, const torch::Tensor& rows, const torch::Tensor& panels, bool residual) {
   const int64_t H = x.size(1);
   if (panels.dim() == 4 && rows.is_contiguous()) {
-    integer_product(rows.data_ptr<float>(), rows.size(0), rows.size(1), panels, H, x.data_ptr<float>(), true);
+    integer_product(rows.data_ptr<float>(), rows.size(0), rows.size(1), panels, H, x.data_ptr<float>(), true, residual);
   } else {
-    x.add_(linear(rows, panels, c10::nullopt, H));
+    x.add_(linear(rows, panels, c10::nullopt, H, residual));
   }
 }
 
@@ -1128,7 +1150,8 @@ void add_product(torch::Tensor& x, const torch::Tensor& rows, const torch::Tenso
 // layer's cache buffers [G, capacity, D] whose first `cached` rows are filled, the new rows written
 // after them; mask [T, cached + T] bool or undefined (causal). Returns the logits [n_logits, V] of the
 // last rows (none for n_logits = 0) and, if keep_hidden, the final hidden states [T, H] (else an empty
-// tensor), after final_norm if one is given (an EAGLE head has none).
+// tensor), after final_norm if one is given (an EAGLE head has none). residual: every integer product takes
+// 16-bit activations (integer_product).
 std::vector<torch::Tensor> decoder(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                                    const std::vector<torch::Tensor>& weights, const std::vector<torch::Tensor>& keys,
                                    const std::vector<torch::Tensor>& values, int64_t cached,
@@ -1136,7 +1159,7 @@ std::vector<torch::Tensor> decoder(torch::Tensor x, const torch::Tensor& cos, co
                                    const c10::optional<torch::Tensor>& final_norm,
                                    const c10::optional<torch::Tensor>& lm_panels, int64_t vocab, int64_t heads, int64_t kv_heads,
                                    int64_t k_at, int64_t v_at, int64_t intermediate, int64_t up_at, double eps,
-                                   double scale, int64_t n_logits, bool keep_hidden) {
+                                   double scale, int64_t n_logits, bool keep_hidden, bool residual) {
   const int64_t T = x.size(0), H = x.size(1), D = cos.size(1), layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() &&
                   cos.size(0) == T && weights.size() == static_cast<size_t>(6 * layers) && values.size() == keys.size() &&
@@ -1154,7 +1177,7 @@ std::vector<torch::Tensor> decoder(torch::Tensor x, const torch::Tensor& cos, co
                     k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
                 "decoder: a cache buffer does not fit");
     rms_norm(x.data_ptr<float>(), w[0].data_ptr<float>(), T, H, eps, normed.data_ptr<float>());
-    auto qkv = linear(normed, w[1], c10::nullopt, w[1].size(0) * kPanel);  // [T, q | k | v]
+    auto qkv = linear(normed, w[1], c10::nullopt, w[1].size(0) * kPanel, residual);  // [T, q | k | v]
     float* qp = qkv.data_ptr<float>();
     const int64_t ld = qkv.size(1);
     rotate(qp, ld, T, heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
@@ -1169,12 +1192,12 @@ std::vector<torch::Tensor> decoder(torch::Tensor x, const torch::Tensor& cos, co
       }
     const auto q = qkv.narrow(1, 0, heads * D).view({T, heads, D});
     const auto attended = attention(q, k_cache.narrow(1, 0, end), v_cache.narrow(1, 0, end), mask, scale, true);
-    add_product(x, attended.view({T, heads * D}), w[2]);
+    add_product(x, attended.view({T, heads * D}), w[2], residual);
     rms_norm(x.data_ptr<float>(), w[3].data_ptr<float>(), T, H, eps, normed.data_ptr<float>());
-    auto gate_up = linear(normed, w[4], c10::nullopt, w[4].size(0) * kPanel);  // [T, gate | up]
+    auto gate_up = linear(normed, w[4], c10::nullopt, w[4].size(0) * kPanel, residual);  // [T, gate | up]
     const float* gp = gate_up.data_ptr<float>();
     silu_mul(gp, gp + up_at, gate_up.size(1), T, intermediate, act.data_ptr<float>());
-    add_product(x, act, w[5]);
+    add_product(x, act, w[5], residual);
   }
   const int64_t rows = keep_hidden ? T : n_logits;
   auto hidden = x.narrow(0, T - rows, rows);
@@ -1182,7 +1205,7 @@ std::vector<torch::Tensor> decoder(torch::Tensor x, const torch::Tensor& cos, co
     hidden = torch::empty({rows, H}, x.options());
     rms_norm(x.data_ptr<float>() + (T - rows) * H, final_norm->data_ptr<float>(), rows, H, eps, hidden.data_ptr<float>());
   }
-  auto logits = n_logits ? linear(hidden.narrow(0, rows - n_logits, n_logits), *lm_panels, c10::nullopt, vocab)
+  auto logits = n_logits ? linear(hidden.narrow(0, rows - n_logits, n_logits), *lm_panels, c10::nullopt, vocab, residual)
                          : torch::empty({0, vocab}, x.options());
   return {logits, keep_hidden ? hidden : torch::empty({0, H}, x.options())};
 }
@@ -1219,7 +1242,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using no_gil = py::call_guard<py::gil_scoped_release>;
   m.def("pack", &pack, "float32 weight [N, K] -> panels [P, K, 16] in float32 or bfloat16",
         py::arg("weight"), py::arg("bfloat16") = false, no_gil());
-  m.def("linear", &linear, "x [..., K] @ W^T (+ bias) from packed panels", no_gil());
+  m.def("linear", &linear, "x [..., K] @ W^T (+ bias) from packed panels (residual: 16-bit activations on integer blocks)",
+        py::arg("x"), py::arg("panels"), py::arg("bias"), py::arg("out_features"), py::arg("residual") = false, no_gil());
   m.def("attention", &attention, "batch-invariant attention of q [T, H, D] over k, v [G, S, D]", no_gil());
   m.def("decoder", &decoder, "a Llama decoder stack, its final norm and LM head, on these kernels", no_gil());
   m.def("move_rows", &move_rows, "move KV cache rows towards the start in every buffer [B, G, capacity, D]",

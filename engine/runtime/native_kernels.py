@@ -164,9 +164,23 @@ def quantize_q8(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse) * (amax / 127)).view_as(x)
 
 
+def quantize_q16(x: torch.Tensor) -> torch.Tensor:
+    """What the integer kernels make of activations with 16-bit activations (NativeLinear.residual): the
+    Q8 blocks of x plus the Q8 blocks of what their rounding left."""
+    blocks = x.view(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    q = torch.round(blocks * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
+    d = amax / 127
+    # what was left, rounded once as the kernel's fma(-d, q, x) does: x - q d in float32 would round the
+    # product first and could move a residual across a rounding boundary
+    rest = (blocks.double() - q.double() * d.double()).float().view_as(x)
+    return (q * d).view_as(x) + quantize_q8(rest)
+
+
 def integer_self_check(module) -> str | None:
     """The integer kernels over Q4_1- and Q8_0-style blocks against float64 products of the quantised
-    activations (quantize_q8) with the exact weights, on every tile size and a ragged panel; None if
+    activations (quantize_q8; quantize_q16 for 16-bit ones) with the exact weights, on every tile size and a
+    ragged panel; None if
     they agree and each row of a block equals the row computed alone, bit for bit; else what went wrong."""
     generator = torch.Generator().manual_seed(1)
     scale = (torch.rand(100, 3, 1, generator=generator) * 0.02 + 1e-3).half().float()
@@ -180,17 +194,19 @@ def integer_self_check(module) -> str | None:
         blocks = pack_kind(weight, integer=True)
         if blocks is None:
             return f"{name} blocks could not be packed"
-        for rows in (1, 5, 16, 17, 33):
+        for rows, residual in ((1, False), (5, False), (16, False), (17, False), (33, False), (1, True), (9, True)):
             x = torch.randn(rows, 96, generator=generator)
+            what = f"{rows} rows over {name} blocks" + (" (16-bit activations)" if residual else "")
             try:
-                got = module.linear(x, blocks, None, 100)
+                got = module.linear(x, blocks, None, 100, residual)
             except RuntimeError as exc:
                 return str(exc).splitlines()[0][:120]
-            want = quantize_q8(x).double() @ weight.double().T
+            want = (quantize_q16 if residual else quantize_q8)(x).double() @ weight.double().T
             if (got.double() - want).abs().max().item() > 1e-4:
-                return f"{rows} rows over {name} blocks differ from the quantised product"
-            if not torch.equal(got, torch.cat([module.linear(x[i : i + 1], blocks, None, 100) for i in range(rows)])):
-                return f"a block of {rows} rows over {name} blocks differs from its rows one at a time"
+                return f"{what} differ from the quantised product"
+            alone = torch.cat([module.linear(x[i : i + 1], blocks, None, 100, residual) for i in range(rows)])
+            if not torch.equal(got, alone):
+                return f"a block of {what} differs from its rows one at a time"
     return None
 
 
@@ -421,7 +437,7 @@ class NativeLinear(nn.Module):
     reads); elsewhere only the panels are held."""
 
     def __init__(self, module, weight: torch.Tensor, bias: torch.Tensor | None, keep_weight: bool = False,
-                 bfloat16: bool = False, integer: bool = False):
+                 bfloat16: bool = False, integer: bool = False, residual: bool = False):
         super().__init__()
         self.kernel = module
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
@@ -433,6 +449,9 @@ class NativeLinear(nn.Module):
         self.panels = module.pack(weight32, bfloat16) if blocks is None else blocks  # not a parameter
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self.weight = weight if keep_weight else None
+        # integer layouts: 16-bit activations, each row quantised twice (its 8-bit blocks, then what their
+        # rounding left): top-1 agreement with float32 near 100% for twice the integer work a row
+        self.residual = residual and self.integer
 
     @property
     def integer(self) -> bool:
@@ -442,27 +461,29 @@ class NativeLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
         if torch.is_grad_enabled() and x.requires_grad:
             raise RuntimeError("NativeLinear has no backward: train with stock kernels (cpu_kernels='stock')")
-        return self.kernel.linear(x.float(), self.panels, self.bias, self.out_features)
+        return self.kernel.linear(x.float(), self.panels, self.bias, self.out_features, self.residual)
 
     def extra_repr(self) -> str:
         weights = {torch.uint8: "4-bit block", torch.int8: "8-bit block"}.get(
             self.panels.dtype, str(self.panels.dtype).removeprefix("torch."))
         if self.integer:
-            weights = ("4-bit" if self.panels.shape[2] == 5 else "8-bit") + " block weights, 8-bit activations"
+            weights = (("4-bit" if self.panels.shape[2] == 5 else "8-bit") + " block weights, "
+                       + ("16-bit activations" if self.residual else "8-bit activations"))
             return f"in_features={self.in_features}, out_features={self.out_features}, kernel=native integer ({weights})"
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel=native ({weights} weights)"
 
 
 def use_native_linears(module: nn.Module, native, keep: tuple[nn.Module, ...] = (), bfloat16: bool = False,
-                       integer: bool = False) -> int:
+                       integer: bool = False, residual: bool = False) -> int:
     """Swap every float32 CPU nn.Linear under module for a NativeLinear on the extension `native`
-    (bfloat16 panels if asked; the integer kernel's layout for Q4_1/Q8_0-style weights if `integer`);
-    linears in `keep` retain their weight attribute. Returns how many."""
+    (bfloat16 panels if asked; the integer kernel's layout for Q4_1/Q8_0-style weights if `integer`, with
+    16-bit activations if `residual`); linears in `keep` retain their weight attribute. Returns how many."""
     count = 0
     for name, child in list(module.named_children()):
         if type(child) is nn.Linear and child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
-            setattr(module, name, NativeLinear(native, child.weight, child.bias, child in keep, bfloat16, integer))
+            setattr(module, name, NativeLinear(native, child.weight, child.bias, child in keep, bfloat16, integer,
+                                               residual))
             count += 1
         else:
-            count += use_native_linears(child, native, keep, bfloat16, integer)
+            count += use_native_linears(child, native, keep, bfloat16, integer, residual)
     return count

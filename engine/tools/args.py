@@ -17,11 +17,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true", help="run model code from the model's repo")
     parser.add_argument("--offload", action="store_true",
                         help="spread a target too large for the GPU over GPU and CPU memory (accelerate device_map=auto)")
-    parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "integer", "native", "packed", "stock"],
+    parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "integer", "integer16", "native", "packed", "stock"],
                         help="on CPU: auto runs float32 models on SpecLens's native kernels (compiled for this CPU at "
                              "first use), integer ones (8-bit activations against 4-bit/8-bit weight blocks) where they "
                              "pass their check, else packs linear weights for oneDNN and picks kernels by measurement; "
-                             "integer insists on the integer kernels; native on the float32 native kernels (HF's "
+                             "integer insists on the integer kernels; integer16 runs them on 16-bit activations (two "
+                             "8-bit passes: nearer float32, twice the integer work a row); native on the float32 native kernels (HF's "
                              "float32 numbers bit for bit); packed uses oneDNN for every block; stock keeps nn.Linear")
     parser.add_argument("--tree-budget", type=int, default=None, metavar="N",
                         help="draft-tree nodes for the EAGLE and Medusa methods, 1..128 (default: 4 on CPU, 32 on GPU)")

@@ -499,7 +499,8 @@ def describe_target(engine) -> str:
         what = "decoder" if engine.target_lm.lean is not None else f"linears{' and attention' if attention else ''}"
         kernel = native_kernel_of(engine.target.model)
         integer = any(getattr(m, "integer", False) for m in engine.target.model.modules())
-        kernels = (f", SpecLens's native {what} (integer: 8-bit activations, {kernel.integer_isa()})" if integer
+        bits = 16 if getattr(engine.target.model.get_output_embeddings(), "residual", False) else 8
+        kernels = (f", SpecLens's native {what} (integer: {bits}-bit activations, {kernel.integer_isa()})" if integer
                    else f", SpecLens's native {what} (float32, {kernel.isa()})")
     elif is_packed(engine.target.model):
         layers = [m for m in engine.target.model.modules() if isinstance(m, PackedLinear)]

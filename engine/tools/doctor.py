@@ -85,7 +85,7 @@ def diagnose(target: str = "default", drafters: tuple[str, ...] = ()) -> list[tu
     if is_built() and native_build().module is not None:
         build = native_build()
         rows.append(("integer kernels", f"{build.integer}: --cpu-kernels auto runs Q4_1/Q8_0-style weights against "
-                     "8-bit activations (--cpu-kernels native keeps float32)" if build.integer else
+                     "8-bit activations (--cpu-kernels integer16: 16-bit ones; native keeps float32)" if build.integer else
                      f"not used: {build.integer_message}; the float32 native kernels run", True))
     rows.append(("cpu features", cpu_features() or "none of AVX2, AVX-512, VNNI, BF16, AMX reported", True))
     check = check_platform()
